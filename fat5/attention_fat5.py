@@ -1,0 +1,134 @@
+"""The attention seam of FAT5: one signature, several backends.
+
+Every backend receives q, k, v and the *small* position-encoding parameters (the T5 bucket table,
+ALiBi slopes) instead of a dense (L, L) bias, so a kernel can compute the bias on the fly.
+
+Shared contract (all backends):
+    query (B, H, Lq, D), key / value (B, H, Lk, D) -> output (B, H, Lq, D)
+    query position i is ``i + q_offset``, key position j is ``j``; relative position is ``j - (i + q_offset)``
+    bias_table      (num_buckets, H): T5 relative bias, bucketed as T5 does (``bidirectional`` for encoders)
+    alibi_slopes    (H,): bias ``-slope * |relative position|``
+    position_bias   (B | 1, H, Lq, Lk): an already dense bias (FIRE); eager/sdpa only
+    key_padding_mask (B, Lk) bool, True = attend; masks keys, never queries
+    causal          key j is visible to query i only if ``j <= i + q_offset``
+    scale           T5 uses 1.0 (no 1/sqrt(d)); other position encodings usually use D**-0.5
+    Rows that see no key at all return zeros.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def relative_position_bucket(relative_position, bidirectional=True, num_buckets=32, max_distance=128):
+    """T5's bucketing of ``key_position - query_position`` (identical to transformers' T5Attention)."""
+    buckets = 0
+    if bidirectional:
+        num_buckets //= 2
+        buckets = (relative_position > 0).to(torch.long) * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = (-relative_position).clamp(min=0)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    # Logarithmic buckets up to max_distance; float() of distance 0 gives -inf, masked out by is_small.
+    if_large = max_exact + (
+        torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    ).to(torch.long)
+    if_large = if_large.clamp(max=num_buckets - 1)
+    return buckets + torch.where(is_small, distance, if_large)
+
+
+def alibi_slopes(num_heads):
+    """ALiBi head slopes (Press et al.), geometric in 2**(-8/n), with the paper's rule for non powers of two."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-8.0 / closest)
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest < num_heads:
+        extra = 2.0 ** (-4.0 / closest)
+        slopes += [extra ** (2 * i + 1) for i in range(num_heads - closest)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def relative_positions(query_length, key_length, q_offset=0, device=None):
+    """(Lq, Lk) matrix of ``key_position - query_position``."""
+    query_position = torch.arange(query_length, device=device)[:, None] + q_offset
+    key_position = torch.arange(key_length, device=device)[None, :]
+    return key_position - query_position
+
+
+def dense_bias(query_length, key_length, *, bias_table=None, bidirectional=True, num_buckets=32,
+               max_distance=128, alibi_slopes=None, position_bias=None, q_offset=0, device=None):
+    """The additive bias as a dense (1 | B, H, Lq, Lk) float tensor, or None. Reference backends only."""
+    bias = position_bias
+    if bias_table is not None or alibi_slopes is not None:
+        relative = relative_positions(query_length, key_length, q_offset, device)
+        if bias_table is not None:
+            buckets = relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
+            table_bias = bias_table[buckets].permute(2, 0, 1).unsqueeze(0)
+            bias = table_bias if bias is None else bias + table_bias
+        if alibi_slopes is not None:
+            alibi = -alibi_slopes[:, None, None] * relative.abs().to(alibi_slopes.dtype)
+            bias = alibi.unsqueeze(0) if bias is None else bias + alibi
+    return bias
+
+
+def visibility_mask(query_length, key_length, *, key_padding_mask=None, causal=False, q_offset=0, device=None):
+    """Boolean (B | 1, 1, Lq | 1, Lk) mask of visible keys, or None when every key is visible."""
+    visible = None
+    if causal:
+        visible = (relative_positions(query_length, key_length, q_offset, device) <= 0)[None, None]
+    if key_padding_mask is not None:
+        keys = key_padding_mask.to(torch.bool)[:, None, None, :]
+        visible = keys if visible is None else visible & keys
+    return visible
+
+
+def eager_attention(query, key, value, *, bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
+                    alibi_slopes=None, position_bias=None, key_padding_mask=None, causal=False, q_offset=0,
+                    scale=1.0, dropout_p=0.0):
+    """Plain-torch reference: materialises scores and bias; exact in any dtype (fp64 in kernel tests)."""
+    query_length, key_length = query.shape[-2], key.shape[-2]
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    bias = dense_bias(query_length, key_length, bias_table=bias_table, bidirectional=bidirectional,
+                      num_buckets=num_buckets, max_distance=max_distance, alibi_slopes=alibi_slopes,
+                      position_bias=position_bias, q_offset=q_offset, device=query.device)
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
+    visible = visibility_mask(query_length, key_length, key_padding_mask=key_padding_mask, causal=causal,
+                              q_offset=q_offset, device=query.device)
+    # Softmax in at least fp32; finfo.min rather than -inf keeps fully-masked rows finite and NaN-free.
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    if visible is not None:
+        scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    if visible is not None:
+        probs = probs * visible.any(dim=-1, keepdim=True)
+    probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
+    return torch.matmul(probs, value)
+
+
+def sdpa_attention(query, key, value, *, bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
+                   alibi_slopes=None, position_bias=None, key_padding_mask=None, causal=False, q_offset=0,
+                   scale=1.0, dropout_p=0.0):
+    """torch SDPA. Without a bias it keeps a boolean mask (or is_causal), so flash/efficient kernels apply."""
+    query_length, key_length = query.shape[-2], key.shape[-2]
+    bias = dense_bias(query_length, key_length, bias_table=bias_table, bidirectional=bidirectional,
+                      num_buckets=num_buckets, max_distance=max_distance, alibi_slopes=alibi_slopes,
+                      position_bias=position_bias, q_offset=q_offset, device=query.device)
+    use_is_causal = causal and bias is None and key_padding_mask is None and q_offset == 0 \
+        and query_length == key_length
+    visible = None if use_is_causal else visibility_mask(
+        query_length, key_length, key_padding_mask=key_padding_mask, causal=causal, q_offset=q_offset,
+        device=query.device)
+    mask = None if bias is None else bias.to(query.dtype)
+    if visible is not None:
+        # An additive finfo.min mask (not a boolean one) keeps fully-masked rows finite on every SDPA backend.
+        kept = torch.zeros((), dtype=query.dtype, device=query.device) if mask is None else mask
+        mask = torch.where(visible, kept, torch.finfo(query.dtype).min)
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p,
+                                            is_causal=use_is_causal, scale=scale)
+    if visible is not None:
+        output = output * visible.any(dim=-1, keepdim=True)
+    return output

@@ -1,0 +1,177 @@
+"""FAT5 configuration: T5's fields, plus the position encoding and attention backend choices."""
+
+from transformers import PretrainedConfig
+
+POSITION_ENCODING_TYPES = ("t5", "rope", "alibi", "fire", "none")
+ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "triton")
+
+
+class FAT5Config(PretrainedConfig):
+    r"""
+    Configuration of a FAT5 encoder-decoder. Field names and defaults follow transformers' `T5Config`, so a T5
+    user's configs carry over; FAT5 adds:
+
+    position_encoding_type (`str`, defaults to `"t5"`):
+        `"t5"` (bucketed relative bias, what every converted checkpoint uses), `"rope"`, `"alibi"`, `"fire"` or
+        `"none"` (the last four for models trained from scratch).
+    relative_bias_per_layer (`bool`, defaults to `False`):
+        umT5 style: every layer owns a bias table instead of sharing the first layer's.
+    scale_decoder_outputs (`bool`, *optional*):
+        Multiply the decoder output by `d_model**-0.5` before the LM head (T5 v1.0). Defaults to
+        `tie_word_embeddings`, which is how T5 couples the two.
+    attention_scale (`float`, defaults to 1.0):
+        Scale of the q·k product. T5 folds 1/sqrt(d_kv) into its initialisation, so it uses 1.0.
+    attention_dropout_rate (`float`, *optional*):
+        Dropout on attention probabilities; defaults to `dropout_rate` as in T5. The Triton kernel has no dropout:
+        while it is active in training, attention runs through SDPA instead.
+    attention_backend (`str`, defaults to `"auto"`):
+        `"auto"` uses the Triton kernel for CUDA tensors when Triton is installed and SDPA otherwise;
+        `"eager"`, `"sdpa"` or `"triton"` force one.
+    rope_theta (`float`), fire_mlp_width (`int`), fire_init_c (`float`), fire_init_threshold (`float`):
+        Parameters of RoPE and FIRE.
+    z_loss (`float`), label_smoothing (`float`):
+        Extra terms of the language-modelling loss (z-loss as in PaLM: `z_loss * logsumexp(logits)**2`).
+    """
+
+    model_type = "fat5"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {
+        "hidden_size": "d_model",
+        "num_attention_heads": "num_heads",
+        "num_hidden_layers": "num_layers",
+        "head_dim": "d_kv",
+    }
+
+    def __init__(
+        self,
+        vocab_size=32128,
+        d_model=512,
+        d_kv=64,
+        d_ff=2048,
+        num_layers=6,
+        num_decoder_layers=None,
+        num_heads=8,
+        relative_attention_num_buckets=32,
+        relative_attention_max_distance=128,
+        dropout_rate=0.1,
+        attention_dropout_rate=None,
+        classifier_dropout=0.0,
+        layer_norm_epsilon=1e-6,
+        initializer_factor=1.0,
+        feed_forward_proj="relu",
+        tie_word_embeddings=True,
+        scale_decoder_outputs=None,
+        position_encoding_type="t5",
+        relative_bias_per_layer=False,
+        attention_scale=1.0,
+        attention_backend="auto",
+        rope_theta=10000.0,
+        fire_mlp_width=32,
+        fire_init_c=0.1,
+        fire_init_threshold=512.0,
+        z_loss=0.0,
+        label_smoothing=0.0,
+        is_encoder_decoder=True,
+        use_cache=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=None,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.d_model = d_model
+        self.d_kv = d_kv
+        self.d_ff = d_ff
+        self.num_layers = num_layers
+        self.num_decoder_layers = num_layers if num_decoder_layers is None else num_decoder_layers
+        self.num_heads = num_heads
+        self.relative_attention_num_buckets = relative_attention_num_buckets
+        self.relative_attention_max_distance = relative_attention_max_distance
+        self.dropout_rate = dropout_rate
+        self.attention_dropout_rate = dropout_rate if attention_dropout_rate is None else attention_dropout_rate
+        self.classifier_dropout = classifier_dropout
+        self.layer_norm_epsilon = layer_norm_epsilon
+        self.initializer_factor = initializer_factor
+        self.feed_forward_proj = feed_forward_proj
+        self.scale_decoder_outputs = tie_word_embeddings if scale_decoder_outputs is None else scale_decoder_outputs
+        self.position_encoding_type = position_encoding_type
+        self.relative_bias_per_layer = relative_bias_per_layer
+        self.attention_scale = attention_scale
+        self.attention_backend = attention_backend
+        self.rope_theta = rope_theta
+        self.fire_mlp_width = fire_mlp_width
+        self.fire_init_c = fire_init_c
+        self.fire_init_threshold = fire_init_threshold
+        self.z_loss = z_loss
+        self.label_smoothing = label_smoothing
+        self.use_cache = use_cache
+        # T5 starts decoding from the pad token.
+        decoder_start_token_id = pad_token_id if decoder_start_token_id is None else decoder_start_token_id
+        # transformers 5 drops unknown kwargs it derives itself; keep T5's derived fields out of **kwargs.
+        for derived in ("dense_act_fn", "is_gated_act", "is_decoder"):
+            kwargs.pop(derived, None)
+        super().__init__(
+            pad_token_id=pad_token_id,
+            eos_token_id=eos_token_id,
+            decoder_start_token_id=decoder_start_token_id,
+            is_encoder_decoder=is_encoder_decoder,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+        # transformers 4.x reads the tie flag from the config object, 5.x from the init kwarg; set both.
+        self.tie_word_embeddings = tie_word_embeddings
+        self._validate_fat5()
+
+    @property
+    def is_gated_act(self):
+        return self.feed_forward_proj.startswith("gated-")
+
+    @property
+    def dense_act_fn(self):
+        act = self.feed_forward_proj.split("-")[-1]
+        # T5 v1.1 "gated-gelu" means the tanh approximation.
+        return "gelu_new" if self.feed_forward_proj == "gated-gelu" else act
+
+    def _validate_fat5(self):
+        from transformers.activations import ACT2FN
+
+        def fail(field, message):
+            raise ValueError(f"FAT5Config.{field}: {message}")
+
+        for field in ("vocab_size", "d_model", "d_kv", "d_ff", "num_heads"):
+            if not isinstance(getattr(self, field), int) or getattr(self, field) <= 0:
+                fail(field, f"must be a positive integer, got {getattr(self, field)!r}")
+        for field in ("num_layers", "num_decoder_layers"):
+            if not isinstance(getattr(self, field), int) or getattr(self, field) < 0:
+                fail(field, f"must be a non-negative integer, got {getattr(self, field)!r}")
+        parts = self.feed_forward_proj.split("-")
+        if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated") or self.dense_act_fn not in ACT2FN:
+            fail("feed_forward_proj", f"{self.feed_forward_proj!r} is not of the form 'ACT' or 'gated-ACT' "
+                 "with ACT a transformers activation (e.g. 'relu', 'gated-gelu', 'gated-silu')")
+        if self.position_encoding_type not in POSITION_ENCODING_TYPES:
+            fail("position_encoding_type", f"{self.position_encoding_type!r} is not one of {POSITION_ENCODING_TYPES}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            fail("attention_backend", f"{self.attention_backend!r} is not one of {ATTENTION_BACKENDS}")
+        if self.relative_bias_per_layer and self.position_encoding_type != "t5":
+            fail("relative_bias_per_layer", "a bias table per layer needs position_encoding_type='t5'")
+        if self.position_encoding_type == "t5":
+            buckets, distance = self.relative_attention_num_buckets, self.relative_attention_max_distance
+            if not isinstance(buckets, int) or buckets < 4 or buckets % 2:
+                fail("relative_attention_num_buckets", f"must be an even integer >= 4, got {buckets!r}")
+            if not isinstance(distance, int) or distance <= buckets // 4:
+                fail("relative_attention_max_distance",
+                     f"must exceed relative_attention_num_buckets // 4 = {buckets // 4}, got {distance!r}")
+        if self.position_encoding_type == "rope" and self.d_kv % 2:
+            fail("d_kv", f"RoPE rotates pairs of channels, so d_kv must be even, got {self.d_kv}")
+        for field in ("dropout_rate", "attention_dropout_rate", "classifier_dropout", "label_smoothing"):
+            if not 0.0 <= getattr(self, field) < 1.0:
+                fail(field, f"must be in [0, 1), got {getattr(self, field)!r}")
+        if self.z_loss < 0:
+            fail("z_loss", f"must be >= 0, got {self.z_loss!r}")
+        if self.attention_scale <= 0:
+            fail("attention_scale", f"must be > 0, got {self.attention_scale!r}")
+        if self.pad_token_id is None or self.decoder_start_token_id is None:
+            fail("pad_token_id", "T5 models need pad_token_id and decoder_start_token_id (usually both 0)")
+
+
+__all__ = ["FAT5Config"]

@@ -1,0 +1,691 @@
+"""FAT5: T5-family encoder-decoders whose attention never materialises the (L, L) relative bias.
+
+Parameter names are transformers' T5 names (`shared`, `q,k,v,o`, `wi`/`wi_0`/`wi_1`/`wo`, `layer_norm`,
+`relative_attention_bias`), so T5 checkpoints, PEFT `target_modules=["q", "v"]` and habits carry over. Attention
+goes through one seam (`attention_fat5`): layers hand q, k, v and the small position parameters to a backend.
+"""
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    QuestionAnsweringModelOutput,
+    Seq2SeqLMOutput,
+    Seq2SeqModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+
+from .attention_fat5 import alibi_slopes, eager_attention, relative_positions, sdpa_attention
+from .configuration_fat5 import FAT5Config
+
+try:
+    from transformers import initialization as init  # transformers 5: skips tensors loaded from a checkpoint
+except ImportError:  # transformers 4.x only initialises modules whose weights are missing
+    from torch.nn import init
+
+TRITON_HEAD_DIMS = (32, 64, 128)
+
+
+def triton_attention(query, key, value, **kwargs):
+    # Imported lazily: the kernel needs triton, which CPU-only installs lack.
+    from .kernels.flash_attention_t5 import flash_attention_t5
+
+    return flash_attention_t5(query, key, value, **kwargs)
+
+
+ATTENTION_FUNCTIONS = {"eager": eager_attention, "sdpa": sdpa_attention, "triton": triton_attention}
+
+
+def select_attention_backend(config, query, needs_dense_bias, dropout_p):
+    """Name of the backend for this call: the configured one, or for "auto" the fastest that is exact here."""
+    backend = config.attention_backend
+    if backend == "triton" and (needs_dense_bias or dropout_p > 0):
+        raise ValueError(
+            "attention_backend='triton' has no attention dropout and no FIRE bias: set "
+            "config.attention_dropout_rate=0.0 (or call model.eval()), or use attention_backend='sdpa'"
+        )
+    if backend != "auto":
+        return backend
+    if getattr(config, "_attn_implementation", None) == "eager":
+        return "eager"
+    if (query.is_cuda and not needs_dense_bias and dropout_p == 0 and query.shape[-1] in TRITON_HEAD_DIMS
+            and importlib.util.find_spec("triton") is not None):
+        return "triton"
+    return "sdpa"
+
+
+class FAT5LayerNorm(nn.Module):
+    """T5's RMSNorm: no mean, no bias, statistics in fp32, output in the weight's dtype."""
+
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            hidden_states = hidden_states.to(self.weight.dtype)
+        return self.weight * hidden_states
+
+
+class FAT5DenseActDense(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.wi = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.dropout = nn.Dropout(config.dropout_rate)
+        self.act = ACT2FN[config.dense_act_fn]
+
+    def forward(self, hidden_states):
+        hidden_states = self.dropout(self.act(self.wi(hidden_states)))
+        # wo may be kept in fp32 (`_keep_in_fp32_modules`) while the rest runs in fp16.
+        return self.wo(hidden_states.to(self.wo.weight.dtype))
+
+
+class FAT5DenseGatedActDense(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.wi_0 = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wi_1 = nn.Linear(config.d_model, config.d_ff, bias=False)
+        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.dropout = nn.Dropout(config.dropout_rate)
+        self.act = ACT2FN[config.dense_act_fn]
+
+    def forward(self, hidden_states):
+        hidden_states = self.act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
+        hidden_states = self.dropout(hidden_states)
+        return self.wo(hidden_states.to(self.wo.weight.dtype))
+
+
+class FAT5LayerFF(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        dense_class = FAT5DenseGatedActDense if config.is_gated_act else FAT5DenseActDense
+        self.DenseReluDense = dense_class(config)
+        self.layer_norm = FAT5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(self, hidden_states):
+        return hidden_states + self.dropout(self.DenseReluDense(self.layer_norm(hidden_states)))
+
+
+class FAT5FIREBias(nn.Module):
+    """FIRE (Li et al. 2023): bias = MLP(psi(distance) / psi(max(threshold, query position))), psi(x) = log(c x + 1).
+
+    The sign of the distance is kept, so one MLP serves the bidirectional encoder too.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.mlp_in = nn.Linear(1, config.fire_mlp_width)
+        self.mlp_out = nn.Linear(config.fire_mlp_width, config.num_heads)
+        self.c = nn.Parameter(torch.tensor(config.fire_init_c))
+        self.threshold = nn.Parameter(torch.tensor(config.fire_init_threshold))
+
+    def forward(self, query_length, key_length, q_offset, device):
+        relative = relative_positions(query_length, key_length, q_offset, device).float()
+        c = self.c.abs()
+        query_position = torch.arange(query_length, device=device, dtype=torch.float32) + q_offset
+        normaliser = torch.log(c * torch.maximum(self.threshold.abs(), query_position + 1) + 1)[:, None]
+        distance = torch.sign(relative) * torch.log(c * relative.abs() + 1) / normaliser
+        bias = self.mlp_out(F.relu(self.mlp_in(distance.unsqueeze(-1))))  # (Lq, Lk, H)
+        return bias.permute(2, 0, 1).unsqueeze(0)
+
+
+def rotate_half(x):
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def rotary_cos_sin(positions, dim, theta, device):
+    """cos/sin of shape (L, dim) for RoPE, computed in fp32 so long positions stay distinct."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x, cos, sin):
+    return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
+
+
+class FAT5Attention(nn.Module):
+    def __init__(self, config, is_decoder=False, is_cross_attention=False, has_relative_attention_bias=False,
+                 layer_idx=None):
+        super().__init__()
+        self.config = config
+        self.is_decoder = is_decoder
+        self.is_cross_attention = is_cross_attention
+        self.has_relative_attention_bias = has_relative_attention_bias
+        self.layer_idx = layer_idx
+        self.n_heads = config.num_heads
+        self.key_value_proj_dim = config.d_kv
+        self.inner_dim = config.num_heads * config.d_kv
+        self.q = nn.Linear(config.d_model, self.inner_dim, bias=False)
+        self.k = nn.Linear(config.d_model, self.inner_dim, bias=False)
+        self.v = nn.Linear(config.d_model, self.inner_dim, bias=False)
+        self.o = nn.Linear(self.inner_dim, config.d_model, bias=False)
+        if has_relative_attention_bias:
+            if config.position_encoding_type == "t5":
+                self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_heads)
+            elif config.position_encoding_type == "fire":
+                self.fire = FAT5FIREBias(config)
+
+    def _project(self, linear, states):
+        batch, length = states.shape[:2]
+        return linear(states).view(batch, length, self.n_heads, self.key_value_proj_dim).transpose(1, 2)
+
+    def forward(self, hidden_states, key_value_states=None, key_padding_mask=None, position=None,
+                past_key_values=None):
+        query = self._project(self.q, hidden_states)
+        position = position or {}
+        if self.is_cross_attention:
+            cache = past_key_values.cross_attention_cache if past_key_values is not None else None
+            if past_key_values is not None and past_key_values.is_updated.get(self.layer_idx):
+                # Encoder keys/values do not change while decoding: reuse them.
+                key = cache.layers[self.layer_idx].keys
+                value = cache.layers[self.layer_idx].values
+            else:
+                key = self._project(self.k, key_value_states)
+                value = self._project(self.v, key_value_states)
+                if cache is not None:
+                    key, value = cache.update(key, value, self.layer_idx)
+                    past_key_values.is_updated[self.layer_idx] = True
+            bias_kwargs, q_offset = {}, 0
+        else:
+            key = self._project(self.k, hidden_states)
+            value = self._project(self.v, hidden_states)
+            if "rotary" in position:
+                cos, sin = position["rotary"]
+                query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+            if past_key_values is not None:
+                key, value = past_key_values.self_attention_cache.update(key, value, self.layer_idx)
+            q_offset = position.get("q_offset", 0)
+            bias_kwargs = {name: position[name] for name in ("alibi_slopes", "position_bias") if name in position}
+            table = self.relative_attention_bias.weight if hasattr(self, "relative_attention_bias") else \
+                position.get("bias_table")
+            if table is not None:
+                bias_kwargs.update(bias_table=table, bidirectional=not self.is_decoder,
+                                   num_buckets=self.config.relative_attention_num_buckets,
+                                   max_distance=self.config.relative_attention_max_distance)
+
+        dropout_p = self.config.attention_dropout_rate if self.training else 0.0
+        backend = select_attention_backend(self.config, query, "position_bias" in bias_kwargs, dropout_p)
+        extra = {} if backend == "triton" else {"dropout_p": dropout_p}
+        output = ATTENTION_FUNCTIONS[backend](
+            query, key, value, key_padding_mask=key_padding_mask,
+            causal=self.is_decoder and not self.is_cross_attention, q_offset=q_offset,
+            scale=self.config.attention_scale, **bias_kwargs, **extra)
+        batch, _, length, _ = output.shape
+        return self.o(output.transpose(1, 2).reshape(batch, length, self.inner_dim))
+
+
+class FAT5LayerSelfAttention(nn.Module):
+    def __init__(self, config, is_decoder, has_relative_attention_bias, layer_idx):
+        super().__init__()
+        self.SelfAttention = FAT5Attention(config, is_decoder=is_decoder,
+                                           has_relative_attention_bias=has_relative_attention_bias,
+                                           layer_idx=layer_idx)
+        self.layer_norm = FAT5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(self, hidden_states, key_padding_mask, position, past_key_values):
+        attention = self.SelfAttention(self.layer_norm(hidden_states), key_padding_mask=key_padding_mask,
+                                       position=position, past_key_values=past_key_values)
+        return hidden_states + self.dropout(attention)
+
+
+class FAT5LayerCrossAttention(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.EncDecAttention = FAT5Attention(config, is_decoder=True, is_cross_attention=True, layer_idx=layer_idx)
+        self.layer_norm = FAT5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def forward(self, hidden_states, encoder_hidden_states, encoder_key_padding_mask, past_key_values):
+        attention = self.EncDecAttention(self.layer_norm(hidden_states), key_value_states=encoder_hidden_states,
+                                         key_padding_mask=encoder_key_padding_mask, past_key_values=past_key_values)
+        return hidden_states + self.dropout(attention)
+
+
+class FAT5Block(GradientCheckpointingLayer):
+    def __init__(self, config, is_decoder, has_relative_attention_bias, layer_idx):
+        super().__init__()
+        self.is_decoder = is_decoder
+        self.layer = nn.ModuleList([FAT5LayerSelfAttention(config, is_decoder, has_relative_attention_bias,
+                                                           layer_idx)])
+        if is_decoder:
+            self.layer.append(FAT5LayerCrossAttention(config, layer_idx))
+        self.layer.append(FAT5LayerFF(config))
+
+    def forward(self, hidden_states, key_padding_mask=None, encoder_hidden_states=None,
+                encoder_key_padding_mask=None, position=None, past_key_values=None):
+        hidden_states = self.layer[0](hidden_states, key_padding_mask, position, past_key_values)
+        if self.is_decoder and encoder_hidden_states is not None:
+            hidden_states = self.layer[1](hidden_states, encoder_hidden_states, encoder_key_padding_mask,
+                                          past_key_values)
+        return self.layer[-1](hidden_states)
+
+
+class FAT5Stack(nn.Module):
+    """The encoder or the decoder: blocks, final norm, and the position parameters every layer needs."""
+
+    main_input_name = "input_ids"  # generate() calls the encoder directly
+
+    def __init__(self, config, embed_tokens, is_decoder):
+        super().__init__()
+        self.config = config
+        self.is_decoder = is_decoder
+        # The stack embeds with the model's `shared` embedding without registering it as a child, so the tensor
+        # is saved once, as `shared.weight`, as in T5 checkpoints (and needs no tying).
+        self.__dict__["embed_tokens"] = embed_tokens
+        num_layers = config.num_decoder_layers if is_decoder else config.num_layers
+        owns_position = config.position_encoding_type in ("t5", "fire")
+        self.block = nn.ModuleList([
+            FAT5Block(config, is_decoder,
+                      has_relative_attention_bias=owns_position and (i == 0 or config.relative_bias_per_layer),
+                      layer_idx=i)
+            for i in range(num_layers)
+        ])
+        self.final_layer_norm = FAT5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+
+    def set_input_embeddings(self, embed_tokens):
+        self.__dict__["embed_tokens"] = embed_tokens
+
+    def _position_inputs(self, query_length, key_length, q_offset, device):
+        """Small per-forward position parameters shared by every layer (never an (L, L) T5 bias)."""
+        config = self.config
+        position = {"q_offset": q_offset}
+        kind = config.position_encoding_type
+        first_attention = self.block[0].layer[0].SelfAttention if len(self.block) else None
+        if kind == "t5" and first_attention is not None:
+            position["bias_table"] = first_attention.relative_attention_bias.weight
+        elif kind == "alibi":
+            position["alibi_slopes"] = alibi_slopes(config.num_heads).to(device)
+        elif kind == "fire" and first_attention is not None:
+            position["position_bias"] = first_attention.fire(query_length, key_length, q_offset, device)
+        elif kind == "rope":
+            positions = torch.arange(query_length, device=device) + q_offset
+            position["rotary"] = rotary_cos_sin(positions, config.d_kv, config.rope_theta, device)
+        return position
+
+    def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
+                inputs_embeds=None, past_key_values=None, use_cache=None, output_hidden_states=None,
+                return_dict=True, **kwargs):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch, length = inputs_embeds.shape[:2]
+        if not self.is_decoder:
+            past_key_values = None
+        elif use_cache and past_key_values is None:
+            past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        q_offset = past_key_values.get_seq_length() if past_key_values is not None else 0
+        key_length = q_offset + length
+        key_padding_mask = _key_mask(attention_mask, batch, key_length, "attention_mask")
+        encoder_key_padding_mask = None
+        if encoder_hidden_states is not None:
+            encoder_key_padding_mask = _key_mask(encoder_attention_mask, batch, encoder_hidden_states.shape[1],
+                                                 "encoder_attention_mask")
+        position = self._position_inputs(length, key_length, q_offset, inputs_embeds.device)
+
+        hidden_states = self.dropout(inputs_embeds)
+        if hidden_states.dtype == torch.float16:
+            # fp16 overflows in T5's residual stream (FFN outputs reach 1e5): carry the residual in fp32.
+            hidden_states = hidden_states.float()
+        all_hidden_states = () if output_hidden_states else None
+        for block in self.block:
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            hidden_states = block(hidden_states, key_padding_mask, encoder_hidden_states, encoder_key_padding_mask,
+                                  position, past_key_values)
+        hidden_states = self.dropout(self.final_layer_norm(hidden_states))
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states,
+                                                         past_key_values=past_key_values,
+                                                         hidden_states=all_hidden_states)
+
+
+def _key_mask(mask, batch, key_length, name):
+    """A (B, Lk) boolean key mask from a 0/1 attention mask, or None when nothing is masked."""
+    if mask is None:
+        return None
+    if mask.dim() != 2 or tuple(mask.shape) != (batch, key_length):
+        raise ValueError(f"{name} must have shape (batch, key_length) = {(batch, key_length)}, "
+                         f"got {tuple(mask.shape)}")
+    return mask.to(torch.bool)
+
+
+class FAT5PreTrainedModel(PreTrainedModel):
+    config_class = FAT5Config
+    base_model_prefix = "transformer"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["FAT5Block"]
+    # fp16 only: T5's FFN output overflows in half precision (transformers#20287).
+    _keep_in_fp32_modules = ["wo"]
+    _supports_sdpa = True
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _keys_to_ignore_on_load_unexpected = [r"encoder\.embed_tokens\.weight", r"decoder\.embed_tokens\.weight"]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        """T5's initialisation (Mesh TensorFlow), which folds the 1/sqrt(d_kv) attention scale into q."""
+        factor = self.config.initializer_factor
+        d_model, d_kv, heads, d_ff = self.config.d_model, self.config.d_kv, self.config.num_heads, self.config.d_ff
+        if isinstance(module, FAT5LayerNorm):
+            init.constant_(module.weight, factor)
+        elif isinstance(module, (FAT5EncoderDecoderMixin, FAT5EncoderMixin)):
+            init.normal_(module.shared.weight, mean=0.0, std=factor)
+            if isinstance(module, FAT5ForConditionalGeneration) and not self.config.tie_word_embeddings:
+                init.normal_(module.lm_head.weight, mean=0.0, std=factor)
+            for head in (getattr(module, "classifier", None), getattr(module, "qa_outputs", None)):
+                if head is not None:
+                    init.normal_(head.weight, mean=0.0, std=factor * d_model**-0.5)
+                    init.zeros_(head.bias)
+        elif isinstance(module, FAT5DenseActDense):
+            init.normal_(module.wi.weight, mean=0.0, std=factor * d_model**-0.5)
+            init.normal_(module.wo.weight, mean=0.0, std=factor * d_ff**-0.5)
+        elif isinstance(module, FAT5DenseGatedActDense):
+            init.normal_(module.wi_0.weight, mean=0.0, std=factor * d_model**-0.5)
+            init.normal_(module.wi_1.weight, mean=0.0, std=factor * d_model**-0.5)
+            init.normal_(module.wo.weight, mean=0.0, std=factor * d_ff**-0.5)
+        elif isinstance(module, FAT5Attention):
+            init.normal_(module.q.weight, mean=0.0, std=factor * (d_model * d_kv) ** -0.5)
+            init.normal_(module.k.weight, mean=0.0, std=factor * d_model**-0.5)
+            init.normal_(module.v.weight, mean=0.0, std=factor * d_model**-0.5)
+            init.normal_(module.o.weight, mean=0.0, std=factor * (heads * d_kv) ** -0.5)
+            if hasattr(module, "relative_attention_bias"):
+                init.normal_(module.relative_attention_bias.weight, mean=0.0, std=factor * d_model**-0.5)
+        elif isinstance(module, FAT5FIREBias):
+            init.normal_(module.mlp_in.weight, mean=0.0, std=factor)
+            init.zeros_(module.mlp_in.bias)
+            init.normal_(module.mlp_out.weight, mean=0.0, std=factor * self.config.fire_mlp_width**-0.5)
+            init.zeros_(module.mlp_out.bias)
+            init.constant_(module.c, self.config.fire_init_c)
+            init.constant_(module.threshold, self.config.fire_init_threshold)
+        elif isinstance(module, FAT5ClassificationHead):
+            init.normal_(module.dense.weight, mean=0.0, std=factor * d_model**-0.5)
+            init.zeros_(module.dense.bias)
+            init.normal_(module.out_proj.weight, mean=0.0, std=factor * d_model**-0.5)
+            init.zeros_(module.out_proj.bias)
+
+    def _shift_right(self, input_ids):
+        """Decoder inputs from labels: prepend decoder_start_token_id, turn -100 into pad."""
+        shifted = input_ids.new_zeros(input_ids.shape)
+        shifted[..., 1:] = input_ids[..., :-1].clone()
+        shifted[..., 0] = self.config.decoder_start_token_id
+        return shifted.masked_fill(shifted == -100, self.config.pad_token_id)
+
+
+class FAT5EncoderDecoderMixin:
+    """Shared plumbing of the two encoder-decoder classes."""
+
+    def _build_encoder_decoder(self, config):
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.encoder = FAT5Stack(config, self.shared, is_decoder=False)
+        self.decoder = FAT5Stack(config, self.shared, is_decoder=True)
+
+    def get_input_embeddings(self):
+        return self.shared
+
+    def set_input_embeddings(self, new_embeddings):
+        self.shared = new_embeddings
+        self.encoder.set_input_embeddings(new_embeddings)
+        self.decoder.set_input_embeddings(new_embeddings)
+
+    def get_encoder(self, *args, **kwargs):
+        return self.encoder
+
+    def get_decoder(self):
+        return self.decoder
+
+    def _encode_and_decode(self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask,
+                           encoder_outputs, past_key_values, inputs_embeds, decoder_inputs_embeds, use_cache,
+                           output_hidden_states):
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
+                                           inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
+        elif not isinstance(encoder_outputs, BaseModelOutput):
+            encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs[0])
+        if use_cache is None:
+            use_cache = self.config.use_cache and not self.training
+        decoder_outputs = self.decoder(input_ids=decoder_input_ids, attention_mask=decoder_attention_mask,
+                                       inputs_embeds=decoder_inputs_embeds, past_key_values=past_key_values,
+                                       encoder_hidden_states=encoder_outputs.last_hidden_state,
+                                       encoder_attention_mask=attention_mask, use_cache=use_cache,
+                                       output_hidden_states=output_hidden_states)
+        return encoder_outputs, decoder_outputs
+
+
+class FAT5Model(FAT5EncoderDecoderMixin, FAT5PreTrainedModel):
+    def __init__(self, config: FAT5Config):
+        super().__init__(config)
+        self._build_encoder_decoder(config)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
+                encoder_outputs=None, past_key_values=None, inputs_embeds=None, decoder_inputs_embeds=None,
+                use_cache=None, output_hidden_states=None, return_dict=None, **kwargs):
+        encoder_outputs, decoder_outputs = self._encode_and_decode(
+            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, past_key_values,
+            inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states)
+        return Seq2SeqModelOutput(
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+        )
+
+
+def seq2seq_lm_loss(logits, labels, label_smoothing=0.0, z_loss=0.0, num_items_in_batch=None):
+    """Cross-entropy over tokens whose label is not -100 (their mean, or their sum / num_items_in_batch as the
+    Trainer asks under gradient accumulation), plus the optional z-loss on the same tokens."""
+    logits = logits.reshape(-1, logits.shape[-1]).float()
+    labels = labels.reshape(-1).to(logits.device)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = F.cross_entropy(logits, labels, ignore_index=-100, label_smoothing=label_smoothing, reduction=reduction)
+    if z_loss > 0:
+        log_z = torch.logsumexp(logits[labels != -100], dim=-1)
+        squared = log_z.pow(2)
+        loss = loss + z_loss * (squared.mean() if num_items_in_batch is None else squared.sum())
+    if num_items_in_batch is not None:
+        loss = loss / num_items_in_batch
+    return loss
+
+
+class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "shared.weight"}
+
+    def __init__(self, config: FAT5Config):
+        super().__init__(config)
+        self.model_dim = config.d_model
+        self._build_encoder_decoder(config)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
+                encoder_outputs=None, past_key_values=None, inputs_embeds=None, decoder_inputs_embeds=None,
+                labels=None, use_cache=None, output_hidden_states=None, return_dict=None, num_items_in_batch=None,
+                **kwargs):
+        if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
+            decoder_input_ids = self._shift_right(labels)
+        encoder_outputs, decoder_outputs = self._encode_and_decode(
+            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, past_key_values,
+            inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states)
+        sequence_output = decoder_outputs.last_hidden_state
+        if self.config.scale_decoder_outputs:
+            # T5 v1.0 ties the LM head to the input embedding and rescales before it.
+            sequence_output = sequence_output * self.model_dim**-0.5
+        logits = self.lm_head(sequence_output.to(self.lm_head.weight.dtype))
+        loss = None
+        if labels is not None:
+            loss = seq2seq_lm_loss(logits, labels, self.config.label_smoothing, self.config.z_loss,
+                                   num_items_in_batch)
+        return Seq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+        )
+
+    def prepare_decoder_input_ids_from_labels(self, labels):
+        return self._shift_right(labels)
+
+
+class FAT5EncoderMixin:
+    """Shared plumbing of the encoder-only classes; a seq2seq checkpoint loads into them (decoder ignored)."""
+
+    _keys_to_ignore_on_load_unexpected = [r"decoder\.", r"lm_head\.", r"encoder\.embed_tokens\.weight"]
+
+    def _build_encoder(self, config):
+        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.encoder = FAT5Stack(config, self.shared, is_decoder=False)
+
+    def get_input_embeddings(self):
+        return self.shared
+
+    def set_input_embeddings(self, new_embeddings):
+        self.shared = new_embeddings
+        self.encoder.set_input_embeddings(new_embeddings)
+
+    def get_encoder(self, *args, **kwargs):
+        return self.encoder
+
+    def _encode(self, input_ids, attention_mask, inputs_embeds, output_hidden_states):
+        return self.encoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                            output_hidden_states=output_hidden_states)
+
+
+class FAT5EncoderModel(FAT5EncoderMixin, FAT5PreTrainedModel):
+    def __init__(self, config: FAT5Config):
+        super().__init__(config)
+        self._build_encoder(config)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, output_hidden_states=None,
+                return_dict=None, **kwargs):
+        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states)
+        return BaseModelOutput(last_hidden_state=outputs.last_hidden_state, hidden_states=outputs.hidden_states)
+
+
+class FAT5ClassificationHead(nn.Module):
+    """Dense-tanh-projection head, as T5ForSequenceClassification's."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.dense = nn.Linear(config.d_model, config.d_model)
+        self.dropout = nn.Dropout(config.classifier_dropout)
+        self.out_proj = nn.Linear(config.d_model, config.num_labels)
+
+    def forward(self, hidden_states):
+        hidden_states = torch.tanh(self.dense(self.dropout(hidden_states)))
+        return self.out_proj(self.dropout(hidden_states))
+
+
+class FAT5ForSequenceClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
+    """Encoder + mean pooling over real tokens + classification head; regression when num_labels == 1."""
+
+    def __init__(self, config: FAT5Config):
+        super().__init__(config)
+        self._build_encoder(config)
+        self.classification_head = FAT5ClassificationHead(config)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
+                output_hidden_states=None, return_dict=None, **kwargs):
+        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states)
+        hidden = outputs.last_hidden_state
+        if attention_mask is None:
+            pooled = hidden.mean(dim=1)
+        else:
+            weights = attention_mask.to(hidden.dtype).unsqueeze(-1)
+            pooled = (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)
+        logits = self.classification_head(pooled)
+        loss = None
+        if labels is not None:
+            if self.config.num_labels == 1:
+                loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
+            elif labels.dtype in (torch.long, torch.int):
+                loss = F.cross_entropy(logits.float(), labels)
+            else:
+                loss = F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+
+
+class FAT5ForTokenClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
+    def __init__(self, config: FAT5Config):
+        super().__init__(config)
+        self._build_encoder(config)
+        self.dropout = nn.Dropout(config.classifier_dropout)
+        self.classifier = nn.Linear(config.d_model, config.num_labels)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
+                output_hidden_states=None, return_dict=None, **kwargs):
+        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states)
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                                   ignore_index=-100)
+        return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+
+
+class FAT5ForQuestionAnswering(FAT5EncoderMixin, FAT5PreTrainedModel):
+    """Extractive QA: start/end logits over the encoder tokens."""
+
+    def __init__(self, config: FAT5Config):
+        super().__init__(config)
+        self._build_encoder(config)
+        self.qa_outputs = nn.Linear(config.d_model, 2)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, start_positions=None,
+                end_positions=None, output_hidden_states=None, return_dict=None, **kwargs):
+        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states)
+        start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).float().unbind(dim=-1)
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            # Positions outside the sequence are ignored, as in transformers' QA heads.
+            length = start_logits.shape[1]
+            start = start_positions.clamp(0, length)
+            end = end_positions.clamp(0, length)
+            loss = (F.cross_entropy(start_logits, start, ignore_index=length)
+                    + F.cross_entropy(end_logits, end, ignore_index=length)) / 2
+        return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
+                                            hidden_states=outputs.hidden_states)
+
+
+__all__ = [
+    "FAT5PreTrainedModel",
+    "FAT5Model",
+    "FAT5EncoderModel",
+    "FAT5ForConditionalGeneration",
+    "FAT5ForSequenceClassification",
+    "FAT5ForTokenClassification",
+    "FAT5ForQuestionAnswering",
+]

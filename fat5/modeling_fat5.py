@@ -63,6 +63,19 @@ def select_attention_backend(config, query, needs_dense_bias, dropout_p):
     return "sdpa"
 
 
+def t5_linear(in_features, out_features, init_std, bias=False):
+    """nn.Linear that records the standard deviation T5's initialisation gives it (read by `_init_weights`)."""
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    linear.init_std = init_std
+    return linear
+
+
+def t5_embedding(num_embeddings, embedding_dim, init_std):
+    embedding = nn.Embedding(num_embeddings, embedding_dim)
+    embedding.init_std = init_std
+    return embedding
+
+
 class FAT5LayerNorm(nn.Module):
     """T5's RMSNorm: no mean, no bias, statistics in fp32, output in the weight's dtype."""
 
@@ -82,8 +95,8 @@ class FAT5LayerNorm(nn.Module):
 class FAT5DenseActDense(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.wi = nn.Linear(config.d_model, config.d_ff, bias=False)
-        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.wi = t5_linear(config.d_model, config.d_ff, init_std=config.d_model**-0.5)
+        self.wo = t5_linear(config.d_ff, config.d_model, init_std=config.d_ff**-0.5)
         self.dropout = nn.Dropout(config.dropout_rate)
         self.act = ACT2FN[config.dense_act_fn]
 
@@ -96,9 +109,9 @@ class FAT5DenseActDense(nn.Module):
 class FAT5DenseGatedActDense(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.wi_0 = nn.Linear(config.d_model, config.d_ff, bias=False)
-        self.wi_1 = nn.Linear(config.d_model, config.d_ff, bias=False)
-        self.wo = nn.Linear(config.d_ff, config.d_model, bias=False)
+        self.wi_0 = t5_linear(config.d_model, config.d_ff, init_std=config.d_model**-0.5)
+        self.wi_1 = t5_linear(config.d_model, config.d_ff, init_std=config.d_model**-0.5)
+        self.wo = t5_linear(config.d_ff, config.d_model, init_std=config.d_ff**-0.5)
         self.dropout = nn.Dropout(config.dropout_rate)
         self.act = ACT2FN[config.dense_act_fn]
 
@@ -128,8 +141,9 @@ class FAT5FIREBias(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.mlp_in = nn.Linear(1, config.fire_mlp_width)
-        self.mlp_out = nn.Linear(config.fire_mlp_width, config.num_heads)
+        self.mlp_in = t5_linear(1, config.fire_mlp_width, init_std=1.0, bias=True)
+        self.mlp_out = t5_linear(config.fire_mlp_width, config.num_heads, init_std=config.fire_mlp_width**-0.5,
+                                  bias=True)
         self.c = nn.Parameter(torch.tensor(config.fire_init_c))
         self.threshold = nn.Parameter(torch.tensor(config.fire_init_threshold))
 
@@ -172,13 +186,15 @@ class FAT5Attention(nn.Module):
         self.n_heads = config.num_heads
         self.key_value_proj_dim = config.d_kv
         self.inner_dim = config.num_heads * config.d_kv
-        self.q = nn.Linear(config.d_model, self.inner_dim, bias=False)
-        self.k = nn.Linear(config.d_model, self.inner_dim, bias=False)
-        self.v = nn.Linear(config.d_model, self.inner_dim, bias=False)
-        self.o = nn.Linear(self.inner_dim, config.d_model, bias=False)
+        # T5 folds the 1/sqrt(d_kv) attention scale into q's initialisation.
+        self.q = t5_linear(config.d_model, self.inner_dim, init_std=(config.d_model * config.d_kv) ** -0.5)
+        self.k = t5_linear(config.d_model, self.inner_dim, init_std=config.d_model**-0.5)
+        self.v = t5_linear(config.d_model, self.inner_dim, init_std=config.d_model**-0.5)
+        self.o = t5_linear(self.inner_dim, config.d_model, init_std=self.inner_dim**-0.5)
         if has_relative_attention_bias:
             if config.position_encoding_type == "t5":
-                self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_heads)
+                self.relative_attention_bias = t5_embedding(config.relative_attention_num_buckets, config.num_heads,
+                                                            init_std=config.d_model**-0.5)
             elif config.position_encoding_type == "fire":
                 self.fire = FAT5FIREBias(config)
 
@@ -384,45 +400,20 @@ class FAT5PreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
-        """T5's initialisation (Mesh TensorFlow), which folds the 1/sqrt(d_kv) attention scale into q."""
+        """T5's initialisation (Mesh TensorFlow). Each module initialises only its own parameters: for remote
+        code, transformers skips a module whose direct parameters are all loaded (or that has none)."""
         factor = self.config.initializer_factor
-        d_model, d_kv, heads, d_ff = self.config.d_model, self.config.d_kv, self.config.num_heads, self.config.d_ff
         if isinstance(module, FAT5LayerNorm):
             init.constant_(module.weight, factor)
-        elif isinstance(module, (FAT5EncoderDecoderMixin, FAT5EncoderMixin)):
-            init.normal_(module.shared.weight, mean=0.0, std=factor)
-            if isinstance(module, FAT5ForConditionalGeneration) and not self.config.tie_word_embeddings:
-                init.normal_(module.lm_head.weight, mean=0.0, std=factor)
-            for head in (getattr(module, "classifier", None), getattr(module, "qa_outputs", None)):
-                if head is not None:
-                    init.normal_(head.weight, mean=0.0, std=factor * d_model**-0.5)
-                    init.zeros_(head.bias)
-        elif isinstance(module, FAT5DenseActDense):
-            init.normal_(module.wi.weight, mean=0.0, std=factor * d_model**-0.5)
-            init.normal_(module.wo.weight, mean=0.0, std=factor * d_ff**-0.5)
-        elif isinstance(module, FAT5DenseGatedActDense):
-            init.normal_(module.wi_0.weight, mean=0.0, std=factor * d_model**-0.5)
-            init.normal_(module.wi_1.weight, mean=0.0, std=factor * d_model**-0.5)
-            init.normal_(module.wo.weight, mean=0.0, std=factor * d_ff**-0.5)
-        elif isinstance(module, FAT5Attention):
-            init.normal_(module.q.weight, mean=0.0, std=factor * (d_model * d_kv) ** -0.5)
-            init.normal_(module.k.weight, mean=0.0, std=factor * d_model**-0.5)
-            init.normal_(module.v.weight, mean=0.0, std=factor * d_model**-0.5)
-            init.normal_(module.o.weight, mean=0.0, std=factor * (heads * d_kv) ** -0.5)
-            if hasattr(module, "relative_attention_bias"):
-                init.normal_(module.relative_attention_bias.weight, mean=0.0, std=factor * d_model**-0.5)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            # Layers made outside FAT5 (e.g. by resize_token_embeddings) get a fan-in default.
+            default = 1.0 if isinstance(module, nn.Embedding) else module.in_features**-0.5
+            init.normal_(module.weight, mean=0.0, std=factor * getattr(module, "init_std", default))
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
         elif isinstance(module, FAT5FIREBias):
-            init.normal_(module.mlp_in.weight, mean=0.0, std=factor)
-            init.zeros_(module.mlp_in.bias)
-            init.normal_(module.mlp_out.weight, mean=0.0, std=factor * self.config.fire_mlp_width**-0.5)
-            init.zeros_(module.mlp_out.bias)
             init.constant_(module.c, self.config.fire_init_c)
             init.constant_(module.threshold, self.config.fire_init_threshold)
-        elif isinstance(module, FAT5ClassificationHead):
-            init.normal_(module.dense.weight, mean=0.0, std=factor * d_model**-0.5)
-            init.zeros_(module.dense.bias)
-            init.normal_(module.out_proj.weight, mean=0.0, std=factor * d_model**-0.5)
-            init.zeros_(module.out_proj.bias)
 
     def _shift_right(self, input_ids):
         """Decoder inputs from labels: prepend decoder_start_token_id, turn -100 into pad."""
@@ -436,7 +427,7 @@ class FAT5EncoderDecoderMixin:
     """Shared plumbing of the two encoder-decoder classes."""
 
     def _build_encoder_decoder(self, config):
-        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.shared = t5_embedding(config.vocab_size, config.d_model, init_std=1.0)
         self.encoder = FAT5Stack(config, self.shared, is_decoder=False)
         self.decoder = FAT5Stack(config, self.shared, is_decoder=True)
 
@@ -516,7 +507,7 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
         super().__init__(config)
         self.model_dim = config.d_model
         self._build_encoder_decoder(config)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = t5_linear(config.d_model, config.vocab_size, init_std=1.0)
         self.post_init()
 
     def get_output_embeddings(self):
@@ -562,7 +553,7 @@ class FAT5EncoderMixin:
     _keys_to_ignore_on_load_unexpected = [r"decoder\.", r"lm_head\.", r"encoder\.embed_tokens\.weight"]
 
     def _build_encoder(self, config):
-        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.shared = t5_embedding(config.vocab_size, config.d_model, init_std=1.0)
         self.encoder = FAT5Stack(config, self.shared, is_decoder=False)
 
     def get_input_embeddings(self):
@@ -597,9 +588,9 @@ class FAT5ClassificationHead(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.dense = nn.Linear(config.d_model, config.d_model)
+        self.dense = t5_linear(config.d_model, config.d_model, init_std=config.d_model**-0.5, bias=True)
         self.dropout = nn.Dropout(config.classifier_dropout)
-        self.out_proj = nn.Linear(config.d_model, config.num_labels)
+        self.out_proj = t5_linear(config.d_model, config.num_labels, init_std=config.d_model**-0.5, bias=True)
 
     def forward(self, hidden_states):
         hidden_states = torch.tanh(self.dense(self.dropout(hidden_states)))
@@ -641,7 +632,7 @@ class FAT5ForTokenClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
         super().__init__(config)
         self._build_encoder(config)
         self.dropout = nn.Dropout(config.classifier_dropout)
-        self.classifier = nn.Linear(config.d_model, config.num_labels)
+        self.classifier = t5_linear(config.d_model, config.num_labels, init_std=config.d_model**-0.5, bias=True)
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
@@ -661,7 +652,7 @@ class FAT5ForQuestionAnswering(FAT5EncoderMixin, FAT5PreTrainedModel):
     def __init__(self, config: FAT5Config):
         super().__init__(config)
         self._build_encoder(config)
-        self.qa_outputs = nn.Linear(config.d_model, 2)
+        self.qa_outputs = t5_linear(config.d_model, 2, init_std=config.d_model**-0.5, bias=True)
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, start_positions=None,

@@ -30,7 +30,8 @@ def hf_classes(prefix):
 
 def make_t5_checkpoint(family, folder, seed=0, safe_serialization=True):
     """Save a random checkpoint of `family` into `folder` the way Hub checkpoints look: an untied model stores
-    its own lm_head and says tie_word_embeddings=false in config.json."""
+    its own lm_head and says tie_word_embeddings=false in config.json. Without safe_serialization it writes an
+    old-style `pytorch_model.bin` that also stores the tied copies (embed_tokens, a tied lm_head)."""
     prefix, overrides, tied = FAMILIES[family]
     config_class, model_class = hf_classes(prefix)
     torch.manual_seed(seed)
@@ -42,7 +43,11 @@ def make_t5_checkpoint(family, folder, seed=0, safe_serialization=True):
         # Break the exact symmetry of fresh layer norms (all ones) so parity checks see real weights.
         if parameter.dim() == 1:
             parameter.data.uniform_(0.5, 1.5)
-    model.save_pretrained(folder, safe_serialization=safe_serialization)
+    model.save_pretrained(folder)
+    if not safe_serialization:
+        state_dict = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+        torch.save(state_dict, Path(folder) / "pytorch_model.bin")
+        (Path(folder) / "model.safetensors").unlink()
     config_path = Path(folder) / "config.json"
     config = json.loads(config_path.read_text())
     config["tie_word_embeddings"] = tied

@@ -1,0 +1,231 @@
+"""FAT5 as a PreTrainedModel: position encodings, backends, caches, loading, heads, loss, fp16, PEFT."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModel, AutoModelForSeq2SeqLM, AutoModelForTokenClassification
+
+import fat5  # noqa: F401  registers the Auto classes
+from fat5.configuration_fat5 import FAT5Config
+from fat5.modeling_fat5 import (
+    FAT5EncoderModel,
+    FAT5ForConditionalGeneration,
+    FAT5ForQuestionAnswering,
+    FAT5ForSequenceClassification,
+    FAT5ForTokenClassification,
+    FAT5Model,
+    seq2seq_lm_loss,
+)
+from t5_checkpoints import padded_batch
+
+POSITION_TYPES = ["t5", "rope", "alibi", "fire", "none"]
+
+
+def tiny_config(**overrides):
+    values = dict(vocab_size=101, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
+                  relative_attention_num_buckets=8, relative_attention_max_distance=20, dropout_rate=0.0,
+                  feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+    values.update(overrides)
+    return FAT5Config(**values)
+
+
+def tiny_model(**overrides):
+    torch.manual_seed(0)
+    return FAT5ForConditionalGeneration(tiny_config(**overrides)).eval()
+
+
+@pytest.mark.parametrize("field, value", [
+    ("position_encoding_type", "learned"),
+    ("feed_forward_proj", "gated-gelu-x"),
+    ("feed_forward_proj", "nonsense"),
+    ("attention_backend", "flash"),
+    ("relative_attention_num_buckets", 7),
+    ("relative_bias_per_layer", True),  # with position_encoding_type="rope" below
+    ("dropout_rate", 1.5),
+    ("z_loss", -1.0),
+    ("d_model", 0),
+])
+def test_inconsistent_config_names_the_field(field, value):
+    extra = {"position_encoding_type": "rope"} if field == "relative_bias_per_layer" else {}
+    with pytest.raises(ValueError, match=f"FAT5Config.{field}"):
+        FAT5Config(**{field: value}, **extra)
+
+
+@pytest.mark.parametrize("position", POSITION_TYPES)
+def test_backends_agree_and_cache_matches_full_forward(position):
+    model = tiny_model(position_encoding_type=position)
+    batch = padded_batch(101)
+    real = batch["decoder_attention_mask"].bool()
+    logits = {}
+    for backend in ("eager", "sdpa"):
+        model.config.attention_backend = backend
+        logits[backend] = model(**batch).logits
+    assert (logits["eager"] - logits["sdpa"])[real].abs().max() < 1e-5
+
+    inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=8)
+    cached = model.generate(**inputs, do_sample=False)
+    assert torch.equal(model.generate(**inputs, do_sample=False, use_cache=False), cached)
+    assert torch.equal(model.generate(**inputs, num_beams=2, use_cache=True),
+                       model.generate(**inputs, num_beams=2, use_cache=False))
+
+
+@pytest.mark.parametrize("position", POSITION_TYPES)
+def test_save_and_from_pretrained_round_trip(position, tmp_path):
+    model = tiny_model(position_encoding_type=position)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForSeq2SeqLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is FAT5ForConditionalGeneration
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    batch = padded_batch(101)
+    assert torch.equal(loaded(**batch).logits, model(**batch).logits)
+
+
+def test_tied_model_saves_the_embedding_once(tmp_path):
+    model = tiny_model(tie_word_embeddings=True, feed_forward_proj="relu")
+    assert model.lm_head.weight is model.shared.weight
+    assert model.config.scale_decoder_outputs
+    model.save_pretrained(tmp_path)
+    loaded = FAT5ForConditionalGeneration.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.shared.weight
+    assert torch.equal(loaded.shared.weight, model.shared.weight)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    batch = padded_batch(101)
+    gradients = []
+    for checkpointing in (False, True):
+        model = tiny_model().train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model(**batch).loss.backward()
+        gradients.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    for name, grad in gradients[0].items():
+        assert torch.allclose(gradients[1][name], grad, atol=1e-6), name
+
+
+def test_loss_ignores_padding_and_adds_smoothing_and_z_loss():
+    logits = torch.randn(2, 5, 11)
+    labels = torch.randint(0, 11, (2, 5))
+    labels[1, 3:] = -100
+    real = labels != -100
+    expected = F.cross_entropy(logits[real], labels[real])
+    assert torch.allclose(seq2seq_lm_loss(logits, labels), expected)
+    smoothed = F.cross_entropy(logits[real], labels[real], label_smoothing=0.1)
+    assert torch.allclose(seq2seq_lm_loss(logits, labels, label_smoothing=0.1), smoothed)
+    z = torch.logsumexp(logits[real], dim=-1).pow(2).mean()
+    assert torch.allclose(seq2seq_lm_loss(logits, labels, z_loss=1e-3), expected + 1e-3 * z)
+    summed = F.cross_entropy(logits[real], labels[real], reduction="sum")
+    assert torch.allclose(seq2seq_lm_loss(logits, labels, num_items_in_batch=20), summed / 20)
+
+
+def test_model_loss_uses_config_terms():
+    model = tiny_model(z_loss=1e-2, label_smoothing=0.1)
+    batch = padded_batch(101)
+    output = model(**batch)
+    assert torch.allclose(output.loss, seq2seq_lm_loss(output.logits, batch["labels"], 0.1, 1e-2))
+
+
+def test_fp16_does_not_overflow_on_large_ffn_activations(tmp_path):
+    model = tiny_model()
+    with torch.no_grad():
+        # FLAN-T5-like: FFN outputs far beyond fp16's 65504.
+        for block in list(model.encoder.block) + list(model.decoder.block):
+            block.layer[-1].DenseReluDense.wo.weight.mul_(3e4)
+    batch = padded_batch(101)
+    reference = model(**batch).logits
+    model.save_pretrained(tmp_path)
+    half = FAT5ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float16).eval()
+    assert half.encoder.block[0].layer[-1].DenseReluDense.wo.weight.dtype == torch.float32
+    assert half.encoder.block[0].layer[0].SelfAttention.q.weight.dtype == torch.float16
+    logits = half(**batch).logits
+    assert torch.isfinite(logits).all()
+    real = batch["decoder_attention_mask"].bool()
+    assert (logits.float() - reference)[real].abs().max() / reference.abs().max() < 2e-2
+
+
+def test_auto_classes_and_encoder_heads_load_a_seq2seq_checkpoint(tmp_path):
+    model = tiny_model(num_labels=3)
+    model.save_pretrained(tmp_path)
+    batch = padded_batch(101)
+    encoder_inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    encoder_states = model.encoder(**encoder_inputs).last_hidden_state
+
+    base = AutoModel.from_pretrained(tmp_path).eval()
+    assert type(base) is FAT5Model
+    encoder = FAT5EncoderModel.from_pretrained(tmp_path).eval()
+    assert torch.equal(encoder(**encoder_inputs).last_hidden_state, encoder_states)
+
+    token = AutoModelForTokenClassification.from_pretrained(tmp_path)
+    assert type(token) is FAT5ForTokenClassification
+    labels = torch.randint(0, 3, batch["input_ids"].shape).masked_fill(batch["attention_mask"] == 0, -100)
+    output = token(**encoder_inputs, labels=labels)
+    assert output.logits.shape == (3, 29, 3) and torch.isfinite(output.loss)
+    output.loss.backward()
+
+    sequence = FAT5ForSequenceClassification.from_pretrained(tmp_path)
+    output = sequence(**encoder_inputs, labels=torch.tensor([0, 2, 1]))
+    assert output.logits.shape == (3, 3) and torch.isfinite(output.loss)
+
+    qa = FAT5ForQuestionAnswering.from_pretrained(tmp_path)
+    output = qa(**encoder_inputs, start_positions=torch.tensor([1, 2, 40]), end_positions=torch.tensor([3, 4, 5]))
+    assert output.start_logits.shape == (3, 29) and torch.isfinite(output.loss)
+    assert torch.equal(qa.shared.weight, model.shared.weight)
+
+
+def test_padding_does_not_change_real_tokens():
+    """Masks act on keys: padding a sequence (left or right) leaves its real positions' outputs unchanged."""
+    model = tiny_model()
+    ids = torch.randint(2, 101, (1, 9))
+    alone = model.encoder(input_ids=ids).last_hidden_state
+    for left in (True, False):
+        padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), ids] if left else [ids, torch.zeros(1, 4,
+                                                                                                   dtype=torch.long)], 1)
+        mask = (torch.arange(13) >= 4) if left else (torch.arange(13) < 9)
+        states = model.encoder(input_ids=padded, attention_mask=mask[None].long()).last_hidden_state
+        real = states[:, 4:] if left else states[:, :9]
+        # T5's bucket of a pair depends on relative positions only, so left padding is harmless too.
+        assert torch.allclose(real, alone, atol=1e-5)
+
+
+def test_triton_backend_refuses_dropout_in_training():
+    model = tiny_model(dropout_rate=0.1, attention_backend="triton").train()
+    with pytest.raises(ValueError, match="attention_backend='triton' has no attention dropout"):
+        model(**padded_batch(101))
+
+
+def test_auto_backend_is_sdpa_on_cpu():
+    from fat5.modeling_fat5 import select_attention_backend
+
+    query = torch.zeros(1, 4, 3, 8)
+    assert select_attention_backend(tiny_config(), query, False, 0.0) == "sdpa"
+    assert select_attention_backend(tiny_config(attention_backend="eager"), query, False, 0.0) == "eager"
+
+
+def test_peft_lora_on_t5_module_names():
+    peft = pytest.importorskip("peft")
+    model = tiny_model()
+    lora = peft.get_peft_model(model, peft.LoraConfig(task_type="SEQ_2_SEQ_LM", target_modules=["q", "v"], r=4))
+    trainable = [name for name, p in lora.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
+    assert any(".SelfAttention.q.lora_A" in name for name in trainable)
+    assert any(".EncDecAttention.v.lora_B" in name for name in trainable)
+    lora.train()
+    lora(**padded_batch(101)).loss.backward()
+
+
+def test_fresh_model_uses_t5_initialisation():
+    config = tiny_config(d_model=64, d_kv=16, d_ff=256, vocab_size=500)
+    model = FAT5ForConditionalGeneration(config)
+    attention = model.encoder.block[0].layer[0].SelfAttention
+    expected = {
+        attention.q.weight: (64 * 16) ** -0.5,
+        attention.k.weight: 64**-0.5,
+        attention.o.weight: (4 * 16) ** -0.5,
+        model.encoder.block[0].layer[-1].DenseReluDense.wo.weight: 256**-0.5,
+        model.shared.weight: 1.0,
+        model.lm_head.weight: 1.0,
+    }
+    for weight, std in expected.items():
+        assert weight.std().item() == pytest.approx(std, rel=0.15)
+    assert torch.equal(model.encoder.final_layer_norm.weight, torch.ones(64))

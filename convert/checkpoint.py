@@ -26,6 +26,8 @@ COPIED_FIELDS = (
     "initializer_factor", "feed_forward_proj", "pad_token_id", "eos_token_id", "decoder_start_token_id",
     "classifier_dropout", "use_cache",
 )
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 EMBEDDING_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 # transformers' T5 never uses this table (cross-attention has no position bias) and ignores it on load.
 UNUSED_SOURCE_TENSORS = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",)
@@ -85,6 +87,12 @@ class TensorSource:
         if isinstance(handle, dict):
             return tuple(handle[name].shape)
         return tuple(handle.get_slice(name).get_shape())
+
+    def dtype(self, name):
+        handle = self._open(self._location[name])
+        if isinstance(handle, dict):
+            return handle[name].dtype
+        return SAFETENSORS_DTYPES[handle.get_slice(name).get_dtype()]
 
     def get(self, name):
         handle = self._open(self._location[name])
@@ -206,3 +214,17 @@ def convert_checkpoint(folder, dtype=None):
     the exporter streams `iter_converted_tensors` instead."""
     plan = plan_conversion(folder)
     return plan.config, dict(iter_converted_tensors(plan, dtype))
+
+
+def load_source_model(folder, dtype=None):
+    """The transformers model of a T5-family checkpoint folder, in eval mode: the reference FAT5 must match."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(folder, dtype=dtype).eval()
+    source_config = _read_json(Path(folder) / "config.json")
+    if source_config["model_type"] == "umt5":
+        # transformers 5 forces tie_word_embeddings=True for UMT5 and then rescales the decoder output of
+        # untied checkpoints; umT5 itself (and transformers 4) does not. Restore the checkpoint's flag.
+        model.config.tie_word_embeddings = source_config.get("tie_word_embeddings",
+                                                             TIE_WORD_EMBEDDINGS_DEFAULT["umt5"])
+    return model

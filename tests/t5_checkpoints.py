@@ -7,6 +7,8 @@ import torch
 import transformers
 from torch import nn
 
+from convert.checkpoint import load_source_model
+
 COMMON = dict(vocab_size=101, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
               relative_attention_num_buckets=8, relative_attention_max_distance=20, dropout_rate=0.0,
               decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
@@ -57,15 +59,8 @@ def make_t5_checkpoint(family, folder, seed=0, safe_serialization=True):
 
 
 def load_hf_reference(family, folder):
-    """The transformers model of a saved checkpoint, in eval mode, as the reference for parity."""
-    prefix, _, tied = FAMILIES[family]
-    _, model_class = hf_classes(prefix)
-    model = model_class.from_pretrained(folder).eval()
-    if prefix == "UMT5":
-        # transformers 5 forces tie_word_embeddings=True for UMT5 and then rescales the decoder output of
-        # untied checkpoints; umT5 (and transformers 4) does not. Restore the checkpoint's flag.
-        model.config.tie_word_embeddings = tied
-    return model
+    """The transformers model of a saved checkpoint, as the converter's verification loads it."""
+    return load_source_model(folder)
 
 
 def padded_batch(vocab_size, generator=None):

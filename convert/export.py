@@ -1,0 +1,255 @@
+"""Write a converted checkpoint as a self-contained Hub repo folder, atomically, and prove its parity."""
+
+import json
+import re
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig
+
+import fat5
+from convert.checkpoint import SAFETENSORS_DTYPES, iter_converted_tensors, load_source_model
+from convert.hub import custom_pipelines_entry, render_model_card
+
+PACKAGE_DIR = Path(fat5.__file__).parent
+# Remote code, flattened: transformers resolves only same-folder relative imports in a checkpoint.
+REMOTE_CODE_FILES = {
+    "configuration_fat5.py": PACKAGE_DIR / "configuration_fat5.py",
+    "modeling_fat5.py": PACKAGE_DIR / "modeling_fat5.py",
+    "attention_fat5.py": PACKAGE_DIR / "attention_fat5.py",
+    "pipeline_fat5.py": PACKAGE_DIR / "pipeline_fat5.py",
+    "flash_attention_t5.py": PACKAGE_DIR / "kernels" / "flash_attention_t5.py",
+}
+# In the package, kernels live in fat5/kernels/; in the flat folder they sit beside the model.
+NESTED_IMPORT = re.compile(r"^(\s*from\s+)(?:\.kernels\.|\.\.)(\w+\s+import\b)", re.MULTILINE)
+RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\S+)\s+import", re.MULTILINE)
+TOKENIZER_FILES = ("spiece.model", "sentencepiece.bpe.model", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json")
+SAFETENSORS_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
+# Verification tolerance on logits, relative to the largest reference logit, per stored dtype.
+PARITY_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+PARITY_TEXTS = ("translate English to German: The house is wonderful.", "summarize: studies have shown that "
+                "owning a dog is good for you", "cola sentence: The course is jumping well.")
+
+
+class ExportError(Exception):
+    """The output folder cannot be written or fails its checks; the message says why."""
+
+
+def parse_size(size):
+    """'5GB' / '500MB' / '20KB' / bytes as int -> bytes (decimal units, as transformers' max_shard_size)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B)?\s*", size, re.IGNORECASE)
+    if not match:
+        raise ExportError(f"--max-shard-size {size!r} is not a size such as 5GB, 500MB or 20000")
+    units = {None: 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    return int(float(match.group(1)) * units[match.group(2).upper() if match.group(2) else None])
+
+
+def _shard_names(count):
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def write_safetensors_streaming(plan, folder, dtype, max_shard_size):
+    """Write the converted tensors as (sharded) safetensors, one tensor in memory at a time.
+
+    safetensors' own writer takes a whole dict of tensors; its file format is simple enough (a JSON header of
+    names, dtypes, shapes and byte offsets, then raw bytes) to write incrementally once shapes are known.
+    """
+    entries = []
+    for name in plan.mapping:
+        source_dtype = plan.source.dtype(plan.mapping[name])
+        out_dtype = dtype if dtype is not None and source_dtype.is_floating_point else source_dtype
+        shape = plan.shapes[name]
+        size = torch.Size(shape).numel() * torch.empty((), dtype=out_dtype).element_size()
+        entries.append((name, out_dtype, shape, size))
+    shards, current, current_size = [], [], 0
+    for entry in entries:
+        if current and current_size + entry[3] > max_shard_size:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(entry)
+        current_size += entry[3]
+    shards.append(current)
+    names = _shard_names(len(shards))
+    weight_map = {}
+    tensors = iter_converted_tensors(plan, dtype)
+    with tqdm(total=len(entries), desc="Converting tensors", unit="tensor") as progress:
+        for shard, file_name in zip(shards, names):
+            header, offset = {"__metadata__": {"format": "pt"}}, 0
+            for name, out_dtype, shape, size in shard:
+                header[name] = {"dtype": SAFETENSORS_CODES[out_dtype], "shape": list(shape),
+                                "data_offsets": [offset, offset + size]}
+                offset += size
+                weight_map[name] = file_name
+            header_bytes = json.dumps(header, separators=(",", ":")).encode()
+            header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-byte aligned
+            with open(folder / file_name, "wb") as file:
+                file.write(struct.pack("<Q", len(header_bytes)))
+                file.write(header_bytes)
+                for name, out_dtype, shape, size in shard:
+                    tensor_name, tensor = next(tensors)
+                    if tensor_name != name or tensor.dtype != out_dtype or tuple(tensor.shape) != shape:
+                        raise ExportError(f"internal: tensor {tensor_name} does not match its header entry {name}")
+                    file.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+                    progress.update(1)
+    if len(shards) > 1:
+        total = sum(entry[3] for entry in entries)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return names
+
+
+def write_remote_code(folder):
+    """Copy FAT5's code flat into `folder` and check every relative import resolves inside it."""
+    for flat_name, source in REMOTE_CODE_FILES.items():
+        (folder / flat_name).write_text(NESTED_IMPORT.sub(r"\1\2", source.read_text()))
+    for flat_name in REMOTE_CODE_FILES:
+        for module in RELATIVE_IMPORT.findall((folder / flat_name).read_text()):
+            if not (folder / f"{module}.py").is_file():
+                raise ExportError(f"{flat_name} imports .{module}, which is not in the exported folder")
+
+
+def export_config(plan, folder, dtype, attention_backend):
+    config = plan.config
+    config.attention_backend = attention_backend
+    config.auto_map = {"AutoConfig": "configuration_fat5.FAT5Config"}
+    config.auto_map.update({auto.__name__: f"modeling_fat5.{model.__name__}"
+                            for auto, model in fat5.AUTO_CLASSES.items()})
+    config.custom_pipelines = custom_pipelines_entry()
+    stored = dtype or next(iter_converted_tensors_dtype(plan))
+    config.dtype = stored
+    config.save_pretrained(folder)
+
+
+def iter_converted_tensors_dtype(plan):
+    """The dtype of the first floating tensor of the source: what the folder stores without --dtype."""
+    for source_name in plan.mapping.values():
+        source_dtype = plan.source.dtype(source_name)
+        if source_dtype.is_floating_point:
+            yield source_dtype
+
+
+def copy_side_files(source_folder, folder, config):
+    source_folder = Path(source_folder)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (source_folder / name).is_file():
+            shutil.copy2(source_folder / name, folder / name)
+            copied.append(name)
+    if (source_folder / "generation_config.json").is_file():
+        generation_config = GenerationConfig.from_pretrained(source_folder)
+    else:
+        generation_config = GenerationConfig.from_model_config(config)
+    generation_config.save_pretrained(folder)
+    return copied
+
+
+def verify_parity(source_folder, folder, dtype):
+    """Reload the written folder and compare its logits with the source model's on a sample batch.
+
+    Returns (max |difference| over real tokens, description of the sample); raises ExportError above tolerance.
+    """
+    from transformers import AutoTokenizer
+
+    source = load_source_model(source_folder, dtype=dtype)
+    converted = fat5.FAT5ForConditionalGeneration.from_pretrained(folder, dtype=dtype).eval()
+    converted.config.attention_backend = "eager"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError):  # no tokenizer files in the source: fall back to random ids
+        tokenizer = None
+    if tokenizer is not None:
+        batch = tokenizer(list(PARITY_TEXTS), padding=True, return_tensors="pt")
+        labels = tokenizer([text.split(":")[0] for text in PARITY_TEXTS], padding=True, return_tensors="pt")
+        sample = f"{len(PARITY_TEXTS)} padded sentences"
+        batch["decoder_input_ids"] = source._shift_right(labels.input_ids)
+        batch["decoder_attention_mask"] = labels.attention_mask
+    else:
+        generator = torch.Generator().manual_seed(0)
+        vocab = converted.config.vocab_size
+        batch = {"input_ids": torch.randint(2, vocab, (2, 17), generator=generator),
+                 "attention_mask": torch.ones(2, 17, dtype=torch.long),
+                 "decoder_input_ids": torch.randint(2, vocab, (2, 9), generator=generator),
+                 "decoder_attention_mask": torch.ones(2, 9, dtype=torch.long)}
+        batch["attention_mask"][1, 11:] = 0
+        sample = "2 random padded sequences"
+    with torch.no_grad():
+        expected = source(**batch).logits.float()
+        actual = converted(**batch).logits.float()
+    real = batch["decoder_attention_mask"].bool()
+    difference = (expected - actual)[real].abs().max().item()
+    stored = converted.shared.weight.dtype
+    tolerance = PARITY_TOLERANCE[stored] * max(1.0, expected[real].abs().max().item())
+    sample = f"{sample}, {str(stored).removeprefix('torch.')}"
+    if not difference <= tolerance:
+        raise ExportError(f"parity check failed: max |logits difference| {difference:.3g} > tolerance "
+                          f"{tolerance:.3g} ({sample})")
+    return difference, sample
+
+
+def source_card_metadata(source_folder):
+    """license and language of the source's model card, when it has one."""
+    from huggingface_hub import ModelCard
+
+    readme = Path(source_folder) / "README.md"
+    if not readme.is_file():
+        return {}
+    data = ModelCard.load(readme).data
+    return {"license": data.get("license"), "language": data.get("language")}
+
+
+def export(plan, source_folder, out, *, dtype=None, attention_backend="auto", max_shard_size="5GB",
+           overwrite=False, verify=True, base_model=None, convert_command=None, repo_id=None):
+    """Write the FAT5 folder for `plan` at `out`. It appears complete or not at all."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"{out} exists and is not empty (use --overwrite to replace it)")
+    max_bytes = parse_size(max_shard_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        write_safetensors_streaming(plan, staging, dtype, max_bytes)
+        export_config(plan, staging, dtype, attention_backend)
+        copy_side_files(source_folder, staging, plan.config)
+        write_remote_code(staging)
+        difference, sample = verify_parity(source_folder, staging, dtype) if verify else (None, None)
+        metadata = source_card_metadata(source_folder)
+        family = plan.source_config["model_type"]
+        num_parameters = sum(torch.Size(shape).numel() for shape in plan.shapes.values())
+        render_model_card(staging, base_model=base_model, license=metadata.get("license"), family=family,
+                          num_parameters=num_parameters, parity_max_abs_diff=difference, parity_sample=sample,
+                          language=metadata.get("language"), repo_id=repo_id, convert_command=convert_command)
+        _replace_atomically(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return difference, sample
+
+
+def _replace_atomically(staging, out):
+    """Rename the finished staging folder onto `out` (same filesystem, so the rename is atomic)."""
+    if out.exists():
+        retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        out.rename(retired / out.name)
+        try:
+            staging.rename(out)
+        except OSError:
+            (retired / out.name).rename(out)
+            raise
+        finally:
+            shutil.rmtree(retired, ignore_errors=True)
+    else:
+        staging.rename(out)
+
+
+__all__ = ["ExportError", "export", "parse_size", "write_remote_code", "write_safetensors_streaming",
+           "verify_parity"]

@@ -1,0 +1,136 @@
+"""Convert a T5 / FLAN-T5 / mT5 / umT5 / ByT5 checkpoint into a self-contained FAT5 Hub folder.
+
+    python -m convert.flan_to_fat5 SRC OUT [options]   # SRC: a local folder or a Hub model id
+    python -m convert.flan_to_fat5                     # demo: converts the bundled tiny T5 and runs it
+
+The output folder holds safetensors weights, config (with auto_map and the text2text pipeline), generation
+config, the source's tokenizer files, FAT5's remote code and a model card; it is written atomically and
+reloaded to check its logits against the source before it appears.
+"""
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+from convert.checkpoint import ConversionError, plan_conversion
+from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
+from convert.export import ExportError, export, parse_size
+from convert.hub import PushError, check_push_credentials, push_to_hub
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEMO_OUTPUT = Path("fat5-demo")
+# Files worth downloading from a Hub repo: config, weights, tokenizer, generation config, card.
+SOURCE_PATTERNS = ["*.json", "*.safetensors", "*.model", "README.md", "LICENSE*"]
+SOURCE_PATTERNS_BIN = SOURCE_PATTERNS + ["pytorch_model*.bin"]
+
+
+class CliParser(argparse.ArgumentParser):
+    def error(self, message):
+        # One line, no usage dump: bad input gets one clear error line.
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser():
+    parser = CliParser(prog="python -m convert.flan_to_fat5", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="With no SRC and OUT, converts the bundled demo T5 into ./fat5-demo and runs the "
+                              "text2text pipeline on a few prompts.")
+    parser.add_argument("src", nargs="?", metavar="SRC",
+                        help="local checkpoint folder (config.json + safetensors or pytorch_model.bin, single or "
+                             "sharded) or a Hub model id such as google/flan-t5-small")
+    parser.add_argument("out", nargs="?", metavar="OUT", help="output folder (created; must be empty or absent)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES),
+                        help="store the weights in this dtype (default: the source's)")
+    parser.add_argument("--attn-implementation", default="auto", choices=["auto", "eager", "sdpa", "triton"],
+                        help="attention backend saved in the config: auto = Triton kernel on CUDA, SDPA "
+                             "elsewhere (default: auto)")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="largest safetensors shard, e.g. 5GB, 500MB (default: 5GB)")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="skip reloading OUT and comparing its logits with the source model")
+    parser.add_argument("--push-to-hub", metavar="REPO_ID", help="upload OUT to this Hub model repo")
+    parser.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    parser.add_argument("--revision", help="branch of the Hub repo to push to (and of SRC to download)")
+    parser.add_argument("--create-pr", action="store_true", help="push as a pull request instead of a commit")
+    parser.add_argument("--token", help="Hugging Face token (default: the logged-in one, or HF_TOKEN)")
+    return parser
+
+
+def resolve_source(src, revision, token):
+    """A local folder as is; otherwise a Hub model id, downloaded with huggingface_hub."""
+    path = Path(src)
+    if path.exists():
+        if not path.is_dir():
+            raise ConversionError(f"SRC {src} is not a directory")
+        return path, None
+    if path.is_absolute() or src.startswith(".") or src.count("/") > 1:
+        raise ConversionError(f"SRC {src} does not exist")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    try:
+        folder = snapshot_download(src, revision=revision, token=token, allow_patterns=SOURCE_PATTERNS)
+        if not any(Path(folder).glob("*.safetensors")):
+            folder = snapshot_download(src, revision=revision, token=token, allow_patterns=SOURCE_PATTERNS_BIN)
+    except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, OSError, ValueError) as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConversionError(f"SRC {src} is neither a local folder nor a downloadable Hub model: {message}") \
+            from error
+    return Path(folder), src
+
+
+def run_demo_pipeline(out):
+    from transformers import pipeline
+
+    generator = pipeline("text2text-generation", model=str(out), trust_remote_code=True)
+    for prompt, expected in DEMO_PROMPTS:
+        text = generator(prompt)[0]["generated_text"]
+        print(f"  {prompt!r} -> {text!r}" + ("" if text == expected else f"   (expected {expected!r})"))
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    demo = args.src is None and args.out is None
+    if args.src is not None and args.out is None:
+        parser.error("OUT is required when SRC is given")
+    src, out = (str(DEMO_CHECKPOINT), DEMO_OUTPUT) if demo else (args.src, Path(args.out))
+    try:
+        parse_size(args.max_shard_size)
+        if args.push_to_hub:
+            # Fail on missing credentials or network before spending time converting.
+            check_push_credentials(args.token)
+        source_folder, hub_id = resolve_source(src, args.revision, args.token)
+        plan = plan_conversion(source_folder)
+        print(f"Converting {src} ({plan.source_config['model_type']}, {len(plan.mapping)} tensors) -> {out}")
+        command = "python -m convert.flan_to_fat5" + ("" if demo else " " + shlex.join(sys.argv[1:] if argv is None
+                                                                                          else argv))
+        difference, sample = export(plan, source_folder, out, dtype=DTYPES.get(args.dtype),
+                                    attention_backend=args.attn_implementation, max_shard_size=args.max_shard_size,
+                                    overwrite=args.overwrite or demo, verify=not args.no_verify,
+                                    base_model=hub_id, convert_command=command, repo_id=args.push_to_hub)
+        if difference is not None:
+            print(f"Parity: max |logits difference| = {difference:.3g} ({sample})")
+        print(f"Wrote {out}")
+        if args.push_to_hub:
+            url = push_to_hub(out, args.push_to_hub, private=args.private, revision=args.revision,
+                              create_pr=args.create_pr, token=args.token)
+            print(f"Pushed to {url}")
+        if demo:
+            print("text2text-generation pipeline on the converted demo model:")
+            run_demo_pipeline(out)
+    except (ConversionError, ExportError, PushError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

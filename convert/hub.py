@@ -1,0 +1,156 @@
+"""Hub side of an export: the model card, the custom pipeline entry of config.json, and the upload.
+
+Nothing here touches the network except `push_to_hub`, which checks credentials first and turns every failure
+(offline mode included) into a one-line `PushError`.
+"""
+
+import importlib
+import importlib.util
+from pathlib import Path
+
+import huggingface_hub
+from huggingface_hub import HfApi, ModelCard, ModelCardData
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
+
+MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "fat5_model_card.md"
+PIPELINE_TASK = "text2text-generation"
+
+# Base errors of the HTTP clients huggingface_hub has used: httpx2 (2.x, connection errors are
+# httpx2.ConnectError), httpx (1.x), requests (0.x). Only the installed ones are caught.
+_CLIENT_ERRORS = tuple(
+    getattr(importlib.import_module(module), name)
+    for module, name in (("httpx2", "HTTPError"), ("httpx", "HTTPError"), ("requests", "RequestException"))
+    if importlib.util.find_spec(module) is not None
+)
+
+
+class PushError(Exception):
+    """An upload to the Hub failed; the message is one line saying why."""
+
+
+def custom_pipelines_entry():
+    """The `custom_pipelines` value of config.json that makes `pipeline(..., trust_remote_code=True)` load
+    `pipeline_fat5.py` from the checkpoint folder.
+
+    The keys are what `PIPELINE_REGISTRY.register_pipeline` + `Pipeline.save_pretrained` write on transformers
+    4.57 (5.x writes the same without "tf", and ignores it when reading).
+    """
+    return {
+        PIPELINE_TASK: {
+            "impl": "pipeline_fat5.FAT5Text2TextGenerationPipeline",
+            "pt": ["AutoModelForSeq2SeqLM"],
+            "tf": [],
+            "type": "text",
+        }
+    }
+
+
+def _human_count(num_parameters):
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if num_parameters >= scale:
+            return f"{num_parameters / scale:.3g}{suffix}"
+    return str(num_parameters)
+
+
+def _model_name(repo_id, base_model, family):
+    if repo_id:
+        return repo_id.split("/")[-1]
+    if base_model:
+        return f"{base_model.split('/')[-1]} (FAT5)"
+    return f"FAT5 {family}"
+
+
+def render_model_card(
+    out_dir,
+    *,
+    base_model,
+    license,
+    family,
+    num_parameters,
+    parity_max_abs_diff,
+    parity_sample,
+    language=None,
+    extra_tags=(),
+    repo_id=None,
+    convert_command=None,
+):
+    """Writes `out_dir/README.md` from the FAT5 template and returns its path. Offline: the card is not validated.
+
+    base_model: source checkpoint id, or None. license: carried from the source, or None when unknown.
+    family: "t5", "flan-t5", "mt5"... parity_max_abs_diff: largest |logits FAT5 - logits source| measured on
+    parity_sample, or None when not measured (a short description of the inputs and dtype). repo_id: the id the snippets load (defaults to
+    a local path placeholder). convert_command: the command line that produced the folder.
+    """
+    tags = list(dict.fromkeys(["fat5", "custom_code", "t5", family, *extra_tags]))
+    card_data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag=PIPELINE_TASK,
+        base_model=base_model,
+        license=license,
+        language=language,
+        tags=tags,
+    )
+    card = ModelCard.from_template(
+        card_data,
+        template_path=str(MODEL_CARD_TEMPLATE),
+        model_name=_model_name(repo_id, base_model, family),
+        model_id=repo_id or "path/to/this/folder",
+        family=family,
+        parameters=_human_count(num_parameters),
+        parity_max_abs_diff=None if parity_max_abs_diff is None else f"{parity_max_abs_diff:.3g}",
+        parity_sample=parity_sample,
+        convert_command=convert_command,
+    )
+    path = Path(out_dir) / "README.md"
+    card.save(path)
+    return path
+
+
+def _first_line(error):
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def check_push_credentials(token=None):
+    """The token a push would use; raises PushError, without touching the network, if there is none.
+    (Offline mode needs no check of ours: huggingface_hub refuses every call, and that becomes a PushError.)"""
+    token = token or huggingface_hub.get_token()
+    if not token:
+        raise PushError(
+            "cannot push: no Hugging Face credentials (pass --token, set HF_TOKEN or run `hf auth login`)"
+        )
+    return token
+
+
+def push_to_hub(
+    folder,
+    repo_id,
+    *,
+    private=False,
+    revision=None,
+    create_pr=False,
+    token=None,
+    commit_message="Upload FAT5 checkpoint",
+):
+    """Creates `repo_id` if needed and uploads `folder` to it; returns the commit URL. Raises PushError."""
+    if not Path(folder).is_dir():
+        raise PushError(f"cannot push {folder}: not a directory")
+    api = HfApi(token=check_push_credentials(token))
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        commit = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=str(folder),
+            revision=revision,
+            create_pr=create_pr,
+            commit_message=commit_message,
+        )
+    except OfflineModeIsEnabled as error:
+        raise PushError(f"cannot push to {repo_id}: {_first_line(error)}") from error
+    except HFValidationError as error:
+        raise PushError(f"cannot push to {repo_id}: invalid repo id or revision: {_first_line(error)}") from error
+    except HfHubHTTPError as error:
+        raise PushError(f"push to {repo_id} failed: the Hub answered {_first_line(error)}") from error
+    except _CLIENT_ERRORS as error:
+        raise PushError(f"push to {repo_id} failed: cannot reach the Hub ({_first_line(error)})") from error
+    return commit.commit_url

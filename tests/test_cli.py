@@ -1,0 +1,184 @@
+"""`python -m convert.flan_to_fat5`: the folder it writes, its errors, atomicity and push."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from huggingface_hub import HfApi
+from safetensors.torch import load_file
+
+import convert.export
+from convert.checkpoint import convert_checkpoint
+from convert.flan_to_fat5 import main
+from t5_checkpoints import make_t5_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args, cwd=REPO, env=None):
+    return subprocess.run([sys.executable, "-m", "convert.flan_to_fat5", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def leftovers(parent):
+    return [path.name for path in parent.iterdir() if ".partial-" in path.name or ".old-" in path.name]
+
+
+@pytest.fixture(scope="module")
+def flan(tmp_path_factory):
+    return make_t5_checkpoint("flan-t5", tmp_path_factory.mktemp("src") / "flan")
+
+
+def test_writes_a_complete_sharded_folder(flan, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli(flan, out, "--max-shard-size", "30KB")
+    assert result.returncode == 0, result.stderr
+    assert "Parity: max |logits difference|" in result.stdout
+    names = {path.name for path in out.iterdir()}
+    assert {"config.json", "generation_config.json", "README.md", "model.safetensors.index.json",
+            "configuration_fat5.py", "modeling_fat5.py", "attention_fat5.py", "pipeline_fat5.py",
+            "flash_attention_t5.py"} <= names
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((out / shard).is_file() for shard in shards)
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "fat5"
+    assert config["auto_map"]["AutoModelForSeq2SeqLM"] == "modeling_fat5.FAT5ForConditionalGeneration"
+    assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForSeq2SeqLM",
+                                       "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
+                                       "AutoModelForQuestionAnswering"}
+    assert config["custom_pipelines"]["text2text-generation"]["impl"] == \
+        "pipeline_fat5.FAT5Text2TextGenerationPipeline"
+    # Flat remote code: only same-folder relative imports.
+    for name in names:
+        if name.endswith(".py"):
+            text = (out / name).read_text()
+            assert "from .kernels" not in text and "from .." not in text, name
+
+    written = {}
+    for shard in shards:
+        written.update(load_file(out / shard))
+    _, expected = convert_checkpoint(flan)
+    assert written.keys() == expected.keys()
+    assert all(torch.equal(written[name], tensor) for name, tensor in expected.items())
+    assert leftovers(tmp_path) == []
+
+
+def test_dtype_and_backend_options(flan, tmp_path):
+    out = tmp_path / "bf16"
+    assert main([str(flan), str(out), "--dtype", "bfloat16", "--attn-implementation", "sdpa"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["attention_backend"] == "sdpa"
+    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["{missing}", "{out}"], "does not exist"),
+    (["{flan}", "{out}", "--dtype", "int4"], "invalid choice: 'int4'"),
+    (["{flan}", "{out}", "--max-shard-size", "lots"], "is not a size"),
+    (["{flan}"], "OUT is required"),
+    (["{unsupported}", "{out}"], "unsupported model_type 'bart'"),
+    (["{truncated}", "{out}"], "corrupt or truncated"),
+    (["{flan}", "{nonempty}"], "exists and is not empty"),
+    (["{flan}", "{out}", "--push-to-hub", "me/x"], "no Hugging Face credentials"),
+])
+def test_bad_input_is_one_line_and_nonzero(flan, tmp_path, args, message):
+    unsupported = make_t5_checkpoint("flan-t5", tmp_path / "bart")
+    config = json.loads((unsupported / "config.json").read_text())
+    (unsupported / "config.json").write_text(json.dumps({**config, "model_type": "bart"}))
+    truncated = make_t5_checkpoint("flan-t5", tmp_path / "cut")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    nonempty = tmp_path / "nonempty"
+    nonempty.mkdir()
+    (nonempty / "keep.txt").write_text("mine")
+    paths = dict(flan=flan, out=tmp_path / "out", missing=tmp_path / "missing", unsupported=unsupported,
+                 truncated=truncated, nonempty=nonempty)
+    env = {"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
+    result = run_cli(*[arg.format(**paths) for arg in args], env=env)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+    assert (nonempty / "keep.txt").read_text() == "mine"
+    assert leftovers(tmp_path) == []
+
+
+def test_hub_id_source_offline_is_a_clear_error(tmp_path):
+    result = run_cli("google/flan-t5-small", tmp_path / "out",
+                     env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
+    assert result.returncode == 1
+    assert "neither a local folder nor a downloadable Hub model" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeError])
+def test_interrupted_run_leaves_nothing(flan, tmp_path, failure):
+    out = tmp_path / "out"
+    with mock.patch.object(convert.export, "verify_parity", side_effect=failure("stop")):
+        if failure is KeyboardInterrupt:
+            assert main([str(flan), str(out)]) == 130
+        else:
+            with pytest.raises(RuntimeError):
+                main([str(flan), str(out)])
+    assert not out.exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_overwrite_replaces_atomically(flan, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    with mock.patch.object(convert.export, "verify_parity", side_effect=RuntimeError("stop")):
+        with pytest.raises(RuntimeError):
+            main([str(flan), str(out), "--overwrite"])
+    assert (out / "stale.txt").is_file()  # a failed run leaves the old folder as it was
+    assert main([str(flan), str(out), "--overwrite", "--no-verify"]) == 0
+    assert not (out / "stale.txt").exists() and (out / "config.json").is_file()
+    assert "not measured" in (out / "README.md").read_text()
+    assert leftovers(tmp_path) == []
+
+
+def test_parity_failure_is_loud(flan, tmp_path):
+    def broken(*args, **kwargs):
+        yield from ((name, tensor + 0.1) for name, tensor in original(*args, **kwargs))
+
+    original = convert.export.iter_converted_tensors
+    with mock.patch.object(convert.export, "iter_converted_tensors", broken):
+        assert main([str(flan), str(tmp_path / "out")]) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_push_uploads_the_written_folder(flan, tmp_path):
+    out = tmp_path / "out"
+    with mock.patch.object(HfApi, "create_repo") as create_repo, \
+            mock.patch.object(HfApi, "upload_folder") as upload_folder:
+        upload_folder.return_value = mock.Mock(commit_url="https://huggingface.co/me/fat5-x/commit/1")
+        code = main([str(flan), str(out), "--push-to-hub", "me/fat5-x", "--private", "--revision", "dev",
+                     "--create-pr", "--token", "hf_test"])
+    assert code == 0
+    create_repo.assert_called_once_with("me/fat5-x", private=True, exist_ok=True)
+    upload_folder.assert_called_once_with(repo_id="me/fat5-x", folder_path=str(out), revision="dev",
+                                          create_pr=True, commit_message="Upload FAT5 checkpoint")
+    assert 'from_pretrained("me/fat5-x", trust_remote_code=True)' in (out / "README.md").read_text()
+
+
+def test_push_offline_fails_with_one_line(flan, tmp_path, capsys):
+    # conftest sets HF_HUB_OFFLINE=1 and nothing is mocked: huggingface_hub refuses, we report it.
+    assert main([str(flan), str(tmp_path / "out"), "--push-to-hub", "me/x", "--token", "hf_test"]) == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "offline mode is enabled" in error[0]
+
+
+def test_help_documents_every_option():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for option in ("--dtype", "--attn-implementation", "--max-shard-size", "--overwrite", "--no-verify",
+                   "--push-to-hub", "--private", "--revision", "--create-pr", "--token"):
+        assert option in result.stdout

@@ -158,9 +158,10 @@ class FAT5Config(PretrainedConfig):
             buckets, distance = self.relative_attention_num_buckets, self.relative_attention_max_distance
             if not isinstance(buckets, int) or buckets < 4 or buckets % 2:
                 fail("relative_attention_num_buckets", f"must be an even integer >= 4, got {buckets!r}")
-            if not isinstance(distance, int) or distance <= buckets // 4:
+            # The decoder's one-directional buckets are exact up to num_buckets // 2, logarithmic beyond.
+            if not isinstance(distance, int) or distance <= buckets // 2:
                 fail("relative_attention_max_distance",
-                     f"must exceed relative_attention_num_buckets // 4 = {buckets // 4}, got {distance!r}")
+                     f"must exceed relative_attention_num_buckets // 2 = {buckets // 2}, got {distance!r}")
         if self.position_encoding_type == "rope" and self.d_kv % 2:
             fail("d_kv", f"RoPE rotates pairs of channels, so d_kv must be even, got {self.d_kv}")
         for field in ("dropout_rate", "attention_dropout_rate", "classifier_dropout", "label_smoothing"):

@@ -229,3 +229,27 @@ def test_fresh_model_uses_t5_initialisation():
     for weight, std in expected.items():
         assert weight.std().item() == pytest.approx(std, rel=0.15)
     assert torch.equal(model.encoder.final_layer_norm.weight, torch.ones(64))
+
+
+@pytest.mark.parametrize("position", ["t5", "alibi", "rope"])
+def test_triton_backend_matches_eager_inside_the_model(position):
+    """The kernel as the model's backend (interpreted on CPU): logits, gradients and cached generation."""
+    model = tiny_model(position_encoding_type=position, d_model=64, d_kv=32, num_heads=2)
+    batch = padded_batch(101)
+    real = batch["decoder_attention_mask"].bool()
+    results = {}
+    for backend in ("eager", "triton"):
+        model.zero_grad()
+        model.config.attention_backend = backend
+        output = model(**batch)
+        output.loss.backward()
+        results[backend] = (output.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    assert (results["eager"][0] - results["triton"][0])[real].abs().max() < 1e-4
+    for name, grad in results["eager"][1].items():
+        assert (results["triton"][1][name] - grad).abs().max() <= 1e-4 * max(1.0, grad.abs().max()), name
+    inputs = dict(input_ids=batch["input_ids"][:2], attention_mask=batch["attention_mask"][:2], max_new_tokens=6,
+                  do_sample=False)
+    model.config.attention_backend = "eager"
+    expected = model.generate(**inputs)
+    model.config.attention_backend = "triton"
+    assert torch.equal(model.generate(**inputs), expected)

@@ -1,0 +1,514 @@
+"""Flash attention with T5's relative position bias computed in the kernel (Triton), forward and backward.
+
+The (L, L) bias is never built. T5's bucket of a query-key pair depends only on their relative position, and
+every |relative position| >= max_distance shares the bucket of +-max_distance. So the bias is a per-head
+lookup table over the 2 * max_distance + 1 clamped relative positions, gathered from the (num_buckets, H)
+weight with the exact torch bucketing (`relative_position_bucket`) before the kernel; the kernel adds
+``lut[h, clamp(k - q)]``. Its gradient comes back as the gradient of that small table and reaches the bucket
+weight through ordinary autograd of the gather, so every length and both signs are handled by one definition.
+
+Most tiles of a long sequence lie entirely beyond +-max_distance: there the bias is one scalar per head, the
+forward adds it without a gather and the backward sums dS over the tile into one of two registers. Only
+tiles near the diagonal gather per element and scatter their dS with atomics.
+
+ALiBi (-slope * |k - q|) is computed from the slopes; with no bias the kernel is plain flash attention.
+Layouts: padded (B, H, L, D) with an optional (B, Lk) key mask, or packed varlen (total, H, D) with
+cumulative sequence lengths, where sequences never see each other and positions restart at 0.
+"""
+
+import os
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as error:  # the model imports this module only for the "triton" backend
+    raise ImportError("FAT5's triton attention backend needs triton: pip install triton "
+                      "(or use attention_backend='sdpa')") from error
+
+from ..attention_fat5 import eager_attention as flash_attention_t5_reference
+from ..attention_fat5 import relative_position_bucket
+
+HEAD_DIMS = (32, 64, 128)
+BIAS_NONE, BIAS_LUT, BIAS_ALIBI = 0, 1, 2
+LOG2E = 1.4426950408889634
+# Tests set this to fill outputs with NaN before the kernels run, so a tile left unwritten fails loudly.
+POISON_OUTPUTS = False
+
+
+def _blocks(head_dim, backward, device):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Small tiles in the CPU interpreter, Hopper-sized on GPU."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return 16, 16, 1, 1
+    if backward:
+        return (64, 64, 4, 2) if head_dim <= 64 else (64, 32, 8, 2)
+    return (128, 64, 4, 3) if head_dim <= 64 else (128, 32, 8, 3)
+
+
+@triton.jit
+def _sequence_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
+    """(first row of the sequence in the packed layout, its length) for queries and keys."""
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + b)
+        q_len = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        k_len = tl.load(CU_K + b + 1) - k_start
+    else:
+        q_start = 0
+        q_len = seqlen_q
+        k_start = 0
+        k_len = seqlen_k
+    return q_start, q_len, k_start, k_len
+
+
+@triton.jit
+def _scores(q, k, rows, cols, h, b, q_len, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES, KMASK,
+            stride_mask_b, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
+            HAS_KMASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """log2-scaled scores of one tile with the bias added, and the mask of visible pairs."""
+    s = tl.dot(q, k) * qk_scale
+    relative = cols[None, :] - (rows[:, None] + q_offset)
+    if BIAS_TYPE == 1:
+        # Scalars bounding this tile's relative positions decide whether a gather is needed.
+        start_m = tl.min(rows, axis=0) + q_offset
+        start_n = tl.min(cols, axis=0)
+        nearest_right = start_n - (start_m + BLOCK_M - 1)
+        nearest_left = start_n + BLOCK_N - 1 - start_m
+        if nearest_right >= MAX_DIST:
+            s += tl.load(LUT + h * stride_lut_h + 2 * MAX_DIST) * LOG2E
+        elif nearest_left <= -MAX_DIST:
+            s += tl.load(LUT + h * stride_lut_h) * LOG2E
+        else:
+            index = tl.minimum(tl.maximum(relative, -MAX_DIST), MAX_DIST) + MAX_DIST
+            s += tl.load(LUT + h * stride_lut_h + index) * LOG2E
+    elif BIAS_TYPE == 2:
+        slope = tl.load(SLOPES + h)
+        s -= slope * tl.abs(relative).to(tl.float32) * LOG2E
+    visible = (rows[:, None] < q_len) & (cols[None, :] < k_len)
+    if HAS_KMASK:
+        keep = tl.load(KMASK + b * stride_mask_b + cols, mask=cols < k_len, other=0)
+        visible = visible & (keep[None, :] != 0)
+    if CAUSAL:
+        visible = visible & (relative <= 0)
+    return tl.where(visible, s, float("-inf")), visible
+
+
+@triton.jit
+def _forward_kernel(Q, K, V, Out, LSE, LUT, SLOPES, KMASK, CU_Q, CU_K,
+                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
+                    stride_lse_b, stride_lse_h, stride_lut_h, stride_mask_b,
+                    num_heads, seqlen_q, seqlen_k, q_offset, qk_scale,
+                    MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
+                    HAS_KMASK: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    q_start, q_len, k_start, k_len = _sequence_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, IS_VARLEN)
+    if pid_m * BLOCK_M >= q_len:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = rows < q_len
+    q = tl.load(Q + b * stride_qb + h * stride_qh + (q_start + rows)[:, None] * stride_qm + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    end_n = k_len
+    if CAUSAL:
+        end_n = tl.minimum(k_len, (pid_m + 1) * BLOCK_M + q_offset)
+    for start_n in range(0, end_n, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < k_len
+        k = tl.load(k_base + (k_start + cols)[None, :] * stride_kn + offs_d[:, None], mask=col_ok[None, :],
+                    other=0.0)
+        s, visible = _scores(q, k, rows, cols, h, b, q_len, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES,
+                             KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, CAUSAL, HAS_KMASK, BLOCK_M, BLOCK_N)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows with nothing visible yet keep m = -inf; shift by 0 instead so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + (k_start + cols)[:, None] * stride_vn + offs_d[None, :], mask=col_ok[:, None],
+                    other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    tl.store(Out + b * stride_ob + h * stride_oh + (q_start + rows)[:, None] * stride_om + offs_d[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    # log2-sum-exp2; +inf for rows that saw no key makes their probabilities exactly 0 in the backward.
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+    tl.store(LSE + b * stride_lse_b + h * stride_lse_h + q_start + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _backward_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LUT, SLOPES, KMASK, CU_Q, CU_K,
+                          stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                          stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                          stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                          stride_lse_b, stride_lse_h, stride_lut_h, stride_mask_b,
+                          num_heads, seqlen_q, seqlen_k, q_offset, qk_scale, scale,
+                          MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
+                          HAS_KMASK: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    q_start, q_len, k_start, k_len = _sequence_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, IS_VARLEN)
+    if pid_n * BLOCK_N >= k_len:
+        return
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_ok = cols < k_len
+    kt = tl.load(K + b * stride_kb + h * stride_kh + (k_start + cols)[None, :] * stride_kn + offs_d[:, None],
+                 mask=col_ok[None, :], other=0.0)
+    v = tl.load(V + b * stride_vb + h * stride_vh + (k_start + cols)[:, None] * stride_vn + offs_d[None, :],
+                mask=col_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    start = 0
+    if CAUSAL:
+        # Query i sees key j only if j <= i + q_offset: skip the query blocks entirely above the diagonal.
+        start = tl.maximum(pid_n * BLOCK_N - q_offset, 0) // BLOCK_M * BLOCK_M
+    for start_m in range(start, q_len, BLOCK_M):
+        rows = start_m + offs_m
+        row_ok = rows < q_len
+        q = tl.load(Q + b * stride_qb + h * stride_qh + (q_start + rows)[:, None] * stride_qm + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + b * stride_dob + h * stride_doh + (q_start + rows)[:, None] * stride_dom
+                     + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        lse = tl.load(LSE + b * stride_lse_b + h * stride_lse_h + q_start + rows, mask=row_ok, other=float("inf"))
+        delta = tl.load(DELTA + b * stride_lse_b + h * stride_lse_h + q_start + rows, mask=row_ok, other=0.0)
+        s, visible = _scores(q, kt, rows, cols, h, b, q_len, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES,
+                             KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, CAUSAL, HAS_KMASK, BLOCK_M, BLOCK_N)
+        p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+        dp = tl.dot(do, tl.trans(v).to(do.dtype))
+        ds = p * (dp - delta[:, None])
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    tl.store(DK + b * stride_dkb + h * stride_dkh + (k_start + cols)[:, None] * stride_dkn + offs_d[None, :],
+             (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DV + b * stride_dvb + h * stride_dvh + (k_start + cols)[:, None] * stride_dvn + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.jit
+def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, SLOPES, KMASK, CU_Q, CU_K,
+                        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
+                        stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
+                        stride_dqb, stride_dqh, stride_dqm,
+                        stride_lse_b, stride_lse_h, stride_lut_h, stride_mask_b,
+                        num_heads, seqlen_q, seqlen_k, q_offset, qk_scale, scale,
+                        MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
+                        HAS_KMASK: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    q_start, q_len, k_start, k_len = _sequence_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, IS_VARLEN)
+    if pid_m * BLOCK_M >= q_len:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = rows < q_len
+    q = tl.load(Q + b * stride_qb + h * stride_qh + (q_start + rows)[:, None] * stride_qm + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + (q_start + rows)[:, None] * stride_dom + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + b * stride_lse_b + h * stride_lse_h + q_start + rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + b * stride_lse_b + h * stride_lse_h + q_start + rows, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # dS summed over the tiles that lie wholly beyond -max_distance / +max_distance: one bias entry each.
+    far_left = tl.zeros([BLOCK_M], dtype=tl.float32)
+    far_right = tl.zeros([BLOCK_M], dtype=tl.float32)
+    end_n = k_len
+    if CAUSAL:
+        end_n = tl.minimum(k_len, (pid_m + 1) * BLOCK_M + q_offset)
+    for start_n in range(0, end_n, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < k_len
+        kt = tl.load(K + b * stride_kb + h * stride_kh + (k_start + cols)[None, :] * stride_kn + offs_d[:, None],
+                     mask=col_ok[None, :], other=0.0)
+        vt = tl.load(V + b * stride_vb + h * stride_vh + (k_start + cols)[None, :] * stride_vn + offs_d[:, None],
+                     mask=col_ok[None, :], other=0.0)
+        s, visible = _scores(q, kt, rows, cols, h, b, q_len, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES,
+                             KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, CAUSAL, HAS_KMASK, BLOCK_M, BLOCK_N)
+        p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, vt.to(do.dtype))
+        # Zero outside the visible pairs: ragged tails and masked keys must not leak into the bias gradient.
+        ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)
+        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
+        if BIAS_TYPE == 1:
+            start_q = pid_m * BLOCK_M + q_offset
+            nearest_right = start_n - (start_q + BLOCK_M - 1)
+            nearest_left = start_n + BLOCK_N - 1 - start_q
+            if nearest_right >= MAX_DIST:
+                far_right += tl.sum(ds, axis=1)
+            elif nearest_left <= -MAX_DIST:
+                far_left += tl.sum(ds, axis=1)
+            else:
+                relative = cols[None, :] - (rows[:, None] + q_offset)
+                index = tl.minimum(tl.maximum(relative, -MAX_DIST), MAX_DIST) + MAX_DIST
+                tl.atomic_add(DLUT + h * stride_lut_h + index, ds, mask=visible)
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + (q_start + rows)[:, None] * stride_dqm + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    if BIAS_TYPE == 1:
+        tl.atomic_add(DLUT + h * stride_lut_h, tl.sum(far_left, axis=0))
+        tl.atomic_add(DLUT + h * stride_lut_h + 2 * MAX_DIST, tl.sum(far_right, axis=0))
+
+
+def _new_output(shape, like, dtype=None):
+    dtype = dtype or like.dtype
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
+    return torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def _layout(tensor, varlen):
+    """(batch, head, row) strides of a (B, H, L, D) or packed (total, H, D) tensor; batch stride 0 if packed."""
+    if varlen:
+        return 0, tensor.stride(1), tensor.stride(0)
+    return tensor.stride(0), tensor.stride(1), tensor.stride(2)
+
+
+def _geometry(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k):
+    varlen = cu_seqlens_q is not None
+    if varlen:
+        batch, heads = cu_seqlens_q.numel() - 1, query.shape[1]
+        return varlen, batch, heads, max_seqlen_q, max_seqlen_k
+    return varlen, query.shape[0], query.shape[1], query.shape[2], key.shape[2]
+
+
+def _lse_shape(query, varlen):
+    if varlen:
+        return (query.shape[1], query.shape[0])  # (H, total_q)
+    return (query.shape[0], query.shape[1], query.shape[2])
+
+
+def _lse_strides(lse, varlen):
+    if varlen:
+        return 0, lse.stride(0)
+    return lse.stride(0), lse.stride(1)
+
+
+def _bias_args(bias_lut, alibi_slopes, query):
+    placeholder = query.new_empty(1, dtype=torch.float32)
+    if bias_lut is not None:
+        return BIAS_LUT, bias_lut, placeholder, bias_lut.stride(0), (bias_lut.shape[1] - 1) // 2
+    if alibi_slopes is not None:
+        return BIAS_ALIBI, placeholder, alibi_slopes, 0, 1
+    return BIAS_NONE, placeholder, placeholder, 0, 1
+
+
+@torch.library.custom_op("fat5::flash_attention_forward", mutates_args=())
+def _flash_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             bias_lut: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                             key_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+                             cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                             causal: bool, q_offset: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    varlen, batch, heads, seqlen_q, seqlen_k = _geometry(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    out = _new_output(query.shape, query)
+    lse = _new_output(_lse_shape(query, varlen), query, torch.float32)
+    bias_type, lut, slopes, stride_lut_h, max_dist = _bias_args(bias_lut, alibi_slopes, query)
+    mask = key_mask if key_mask is not None else query.new_empty(1, dtype=torch.int8)
+    cu_q = cu_seqlens_q if varlen else query.new_empty(1, dtype=torch.int32)
+    cu_k = cu_seqlens_k if varlen else cu_q
+    block_m, block_n, warps, stages = _blocks(query.shape[-1], backward=False, device=query.device)
+    grid = (triton.cdiv(seqlen_q, block_m), batch * heads)
+    _forward_kernel[grid](
+        query, key, value, out, lse, lut, slopes, mask, cu_q, cu_k,
+        *_layout(query, varlen), *_layout(key, varlen), *_layout(value, varlen), *_layout(out, varlen),
+        *_lse_strides(lse, varlen), stride_lut_h, mask.stride(0),
+        heads, seqlen_q, seqlen_k, q_offset, scale * LOG2E,
+        MAX_DIST=max_dist, BIAS_TYPE=bias_type, CAUSAL=causal, HAS_KMASK=key_mask is not None,
+        IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps, num_stages=stages)
+    return out, lse
+
+
+@_flash_attention_forward.register_fake
+def _(query, key, value, bias_lut, alibi_slopes, key_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+      max_seqlen_k, causal, q_offset, scale):
+    varlen = cu_seqlens_q is not None
+    return torch.empty_like(query), query.new_empty(_lse_shape(query, varlen), dtype=torch.float32)
+
+
+@torch.library.custom_op("fat5::flash_attention_backward", mutates_args=())
+def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                              value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                              bias_lut: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                              key_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+                              cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                              causal: bool, q_offset: int, scale: float
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    varlen, batch, heads, seqlen_q, seqlen_k = _geometry(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    grad_out = grad_out.contiguous()
+    # delta_i = sum_d dO_id * O_id, laid out like the log-sum-exp.
+    delta = (grad_out.float() * out.float()).sum(-1)
+    delta = delta.transpose(0, 1).contiguous() if varlen else delta.contiguous()
+    dq, dk, dv = _new_output(query.shape, query), _new_output(key.shape, key), _new_output(value.shape, value)
+    bias_type, lut, slopes, stride_lut_h, max_dist = _bias_args(bias_lut, alibi_slopes, query)
+    dlut = torch.zeros_like(bias_lut) if bias_lut is not None else query.new_zeros(1, dtype=torch.float32)
+    mask = key_mask if key_mask is not None else query.new_empty(1, dtype=torch.int8)
+    cu_q = cu_seqlens_q if varlen else query.new_empty(1, dtype=torch.int32)
+    cu_k = cu_seqlens_k if varlen else cu_q
+    common = dict(MAX_DIST=max_dist, BIAS_TYPE=bias_type, CAUSAL=causal, HAS_KMASK=key_mask is not None,
+                  IS_VARLEN=varlen, HEAD_DIM=query.shape[-1])
+    block_m, block_n, warps, stages = _blocks(query.shape[-1], backward=True, device=query.device)
+    strides = (*_layout(query, varlen), *_layout(key, varlen), *_layout(value, varlen),
+               *_layout(grad_out, varlen))
+    scalars = (*_lse_strides(lse, varlen), stride_lut_h, mask.stride(0), heads, seqlen_q, seqlen_k, q_offset,
+               scale * LOG2E, scale)
+    _backward_dkdv_kernel[(triton.cdiv(seqlen_k, block_n), batch * heads)](
+        query, key, value, grad_out, lse, delta, dk, dv, lut, slopes, mask, cu_q, cu_k,
+        *strides, *_layout(dk, varlen), *_layout(dv, varlen), *scalars,
+        **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    _backward_dq_kernel[(triton.cdiv(seqlen_q, block_m), batch * heads)](
+        query, key, value, grad_out, lse, delta, dq, dlut, lut, slopes, mask, cu_q, cu_k,
+        *strides, *_layout(dq, varlen), *scalars,
+        **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    return dq, dk, dv, dlut
+
+
+@_flash_attention_backward.register_fake
+def _(grad_out, query, key, value, out, lse, bias_lut, alibi_slopes, key_mask, cu_seqlens_q, cu_seqlens_k,
+      max_seqlen_q, max_seqlen_k, causal, q_offset, scale):
+    dlut = torch.empty_like(bias_lut) if bias_lut is not None else query.new_empty(1, dtype=torch.float32)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dlut
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, bias_lut, alibi_slopes, key_mask, cu_q, cu_k, max_q, max_k, causal, q_offset, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, out, lse, bias_lut, alibi_slopes, key_mask, cu_q, cu_k)
+    ctx.options = (max_q, max_k, causal, q_offset, scale)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    query, key, value, out, lse, bias_lut, alibi_slopes, key_mask, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv, dlut = _flash_attention_backward(grad_out, query, key, value, out, lse, bias_lut, alibi_slopes,
+                                                 key_mask, cu_q, cu_k, *ctx.options)
+    return dq, dk, dv, (dlut if bias_lut is not None else None), None, None, None, None, None, None, None, \
+        None, None
+
+
+_flash_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def relative_bias_lut(bias_table, bidirectional, num_buckets, max_distance):
+    """(H, 2 * max_distance + 1) bias per clamped relative position -max_distance..max_distance, gathered
+    (differentiably) from the (num_buckets, H) T5 weight with the exact torch bucketing."""
+    relative = torch.arange(-max_distance, max_distance + 1, device=bias_table.device)
+    buckets = relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
+    return bias_table[buckets].t().float().contiguous()
+
+
+def _check(query, key, value, head_dim_axis=-1):
+    head_dim = query.shape[head_dim_axis]
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"flash_attention_t5 supports head dims {HEAD_DIMS}, got {head_dim}")
+    if key.shape[-1] != head_dim or value.shape[-1] != head_dim:
+        raise ValueError(f"query, key and value must share the head dim, got {query.shape[-1]}, "
+                         f"{key.shape[-1]}, {value.shape[-1]}")
+    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in (torch.float32, torch.float16,
+                                                                            torch.bfloat16):
+        raise ValueError(f"query, key and value must share one of float32/float16/bfloat16, got {query.dtype}, "
+                         f"{key.dtype}, {value.dtype}")
+
+
+def _last_dim_contiguous(*tensors):
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
+def _position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_slopes, heads):
+    if bias_table is not None and alibi_slopes is not None:
+        raise ValueError("pass either bias_table (T5) or alibi_slopes, not both")
+    bias_lut = None
+    if bias_table is not None:
+        if tuple(bias_table.shape) != (num_buckets, heads):
+            raise ValueError(f"bias_table must have shape (num_buckets, heads) = {(num_buckets, heads)}, "
+                             f"got {tuple(bias_table.shape)}")
+        bias_lut = relative_bias_lut(bias_table, bidirectional, num_buckets, max_distance)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.float().contiguous()
+    return bias_lut, alibi_slopes
+
+
+def flash_attention_t5(query, key, value, *, bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
+                       alibi_slopes=None, key_padding_mask=None, causal=False, q_offset=0, scale=1.0):
+    """Attention over (B, H, L, D) tensors with the T5 bias (or ALiBi, or none) computed in the kernel.
+
+    Same contract as `attention_fat5.eager_attention` (see there), without dropout or a dense bias.
+    Differentiable w.r.t. query, key, value and bias_table.
+    """
+    _check(query, key, value)
+    batch, heads, query_length, _ = query.shape
+    if key.shape[:2] != (batch, heads) or value.shape != key.shape:
+        raise ValueError(f"key and value must be (B, H, Lk, D) with B, H = {batch}, {heads}; got "
+                         f"{tuple(key.shape)} and {tuple(value.shape)}")
+    key_mask = None
+    if key_padding_mask is not None:
+        if tuple(key_padding_mask.shape) != (batch, key.shape[2]):
+            raise ValueError(f"key_padding_mask must be (B, Lk) = {(batch, key.shape[2])}, "
+                             f"got {tuple(key_padding_mask.shape)}")
+        key_mask = key_padding_mask.to(torch.int8).contiguous()
+    bias_lut, alibi_slopes = _position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_slopes,
+                                            heads)
+    query, key, value = _last_dim_contiguous(query, key, value)
+    out, _ = _flash_attention_forward(query, key, value, bias_lut, alibi_slopes, key_mask, None, None,
+                                      query_length, key.shape[2], bool(causal), int(q_offset), float(scale))
+    return out
+
+
+def flash_attention_t5_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
+                              alibi_slopes=None, causal=False, scale=1.0):
+    """Packed sequences: query (total_q, H, D), key/value (total_k, H, D), cu_seqlens int32 (N + 1,).
+    Sequence n is rows cu_seqlens[n]:cu_seqlens[n + 1]; it sees only itself, positions restarting at 0."""
+    _check(query, key, value)
+    heads = query.shape[1]
+    if key.shape[1] != heads or value.shape != key.shape:
+        raise ValueError(f"key and value must be (total_k, H, D) with H = {heads}; got {tuple(key.shape)} and "
+                         f"{tuple(value.shape)}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D with one entry per sequence plus one")
+    bias_lut, alibi_slopes = _position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_slopes,
+                                            heads)
+    query, key, value = _last_dim_contiguous(query, key, value)
+    out, _ = _flash_attention_forward(query, key, value, bias_lut, alibi_slopes, None,
+                                      cu_seqlens_q.to(torch.int32).contiguous(),
+                                      cu_seqlens_k.to(torch.int32).contiguous(), int(max_seqlen_q),
+                                      int(max_seqlen_k), bool(causal), 0, float(scale))
+    return out
+
+
+def flash_attention_t5_varlen_reference(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, **kwargs):
+    """Plain-torch reference of the packed layout: the eager reference on each sequence."""
+    outputs = []
+    for n in range(cu_seqlens_q.numel() - 1):
+        q = query[cu_seqlens_q[n]:cu_seqlens_q[n + 1]].transpose(0, 1)[None]
+        k = key[cu_seqlens_k[n]:cu_seqlens_k[n + 1]].transpose(0, 1)[None]
+        v = value[cu_seqlens_k[n]:cu_seqlens_k[n + 1]].transpose(0, 1)[None]
+        outputs.append(flash_attention_t5_reference(q, k, v, **kwargs)[0].transpose(0, 1))
+    return torch.cat(outputs)
+
+
+__all__ = ["flash_attention_t5", "flash_attention_t5_varlen", "flash_attention_t5_reference",
+           "flash_attention_t5_varlen_reference", "relative_bias_lut"]

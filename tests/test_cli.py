@@ -172,8 +172,8 @@ def test_push_uploads_the_written_folder(flan, tmp_path):
 def test_push_offline_fails_with_one_line(flan, tmp_path, capsys):
     # conftest sets HF_HUB_OFFLINE=1 and nothing is mocked: huggingface_hub refuses, we report it.
     assert main([str(flan), str(tmp_path / "out"), "--push-to-hub", "me/x", "--token", "hf_test"]) == 1
-    error = capsys.readouterr().err.strip().splitlines()
-    assert len(error) == 1 and "offline mode is enabled" in error[0]
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "offline mode is enabled" in errors[0]
 
 
 def test_help_documents_every_option():

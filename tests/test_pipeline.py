@@ -6,10 +6,7 @@ importable, through `pipeline(..., trust_remote_code=True)`. Runs on transformer
 
 import io
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +17,7 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, T5Config, T
 
 from convert.hub import custom_pipelines_entry
 from fat5.pipeline_fat5 import FAT5Text2TextGenerationPipeline
+from isolated import run_isolated
 
 REPO = Path(__file__).resolve().parent.parent
 PIPELINE_FILE = REPO / "fat5" / "pipeline_fat5.py"
@@ -37,20 +35,9 @@ MODEL_MAX_NEW_TOKENS = 3
 # Runs in the checkpoint folder with the repo hidden; writes what the pipelines returned as JSON.
 CHILD = """
 import importlib.util, json, sys
-
-# An editable install of the repo hooks into the import system (setuptools' "__editable__" finder, path hook and
-# path entry); undo it so only the checkpoint's files are there.
-def from_editable(hook):
-    return getattr(hook, "__module__", "").startswith("__editable__")
-
-sys.meta_path[:] = [f for f in sys.meta_path if not from_editable(f)]
-sys.path_hooks[:] = [h for h in sys.path_hooks if not from_editable(h)]
-sys.path[:] = [p for p in sys.path if not p.startswith("__editable__")]
-sys.path_importer_cache.clear()
 from transformers import pipeline
 
-ckpt, out_path = sys.argv[1], sys.argv[2]
-texts, greedy = json.loads(sys.argv[3]), json.loads(sys.argv[4])
+ckpt, texts, greedy, out_path = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
 out = {"importable": [m for m in ("fat5", "convert") if importlib.util.find_spec(m) is not None]}
 pipes = {
     "by_task": pipeline("text2text-generation", model=ckpt, trust_remote_code=True, device="cpu"),
@@ -124,17 +111,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def child_outputs(checkpoint):
-    work = checkpoint.parent
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(work / "modules"))
-    out_path = work / "child.json"
-    # -I: no PYTHONPATH, no user site, and neither the cwd nor the script's folder on sys.path.
-    proc = subprocess.run(
-        [sys.executable, "-I", "-c", CHILD, str(checkpoint), str(out_path), json.dumps(TEXTS), json.dumps(GREEDY)],
-        cwd=work, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out_path.read_text())
+    return run_isolated(CHILD, [checkpoint, json.dumps(TEXTS), json.dumps(GREEDY)], cwd=checkpoint.parent)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ Parameter names are transformers' T5 names (`shared`, `q,k,v,o`, `wi`/`wi_0`/`wi
 goes through one seam (`attention_fat5`): layers hand q, k, v and the small position parameters to a backend.
 """
 
+import functools
 import importlib.util
 
 import torch
@@ -45,6 +46,11 @@ def triton_attention(query, key, value, **kwargs):
 ATTENTION_FUNCTIONS = {"eager": eager_attention, "sdpa": sdpa_attention, "triton": triton_attention}
 
 
+@functools.lru_cache(maxsize=None)
+def triton_installed():
+    return importlib.util.find_spec("triton") is not None
+
+
 def select_attention_backend(config, query, needs_dense_bias, dropout_p):
     """Name of the backend for this call: the configured one, or for "auto" the fastest that is exact here."""
     backend = config.attention_backend
@@ -58,7 +64,7 @@ def select_attention_backend(config, query, needs_dense_bias, dropout_p):
     if getattr(config, "_attn_implementation", None) == "eager":
         return "eager"
     if (query.is_cuda and not needs_dense_bias and dropout_p == 0 and query.shape[-1] in TRITON_HEAD_DIMS
-            and importlib.util.find_spec("triton") is not None):
+            and triton_installed()):
         return "triton"
     return "sdpa"
 

@@ -1,0 +1,317 @@
+"""FAT5's Triton attention against the ways T5 attention runs today, side by side in one process.
+
+    python benchmarks/attention.py                  # H100/H200: T5-base heads, bf16, 32k tokens a batch
+    python benchmarks/attention.py --smoke          # CPU, Triton interpreter: checks the script end to end
+
+Implementations (all use FAT5's `relative_position_bucket`, so they compute the same function):
+    fat5                 FAT5 kernel, bias computed in the kernel, gradient to the bucket table
+    sdpa_dense_bias      SDPA with the (1, H, L, L) bias built from the table on every call (what transformers does)
+    sdpa_efficient_bias  the same, forced onto the memory-efficient SDPA backend
+    flex_lut             FlexAttention (torch.compile), score_mod reading an (H, 2L - 1) relative-position table
+    sdpa_nobias          SDPA without any bias (flash backend): the ceiling, not a T5
+FLOPs: forward 4·B·H·L²·D (half of it when causal); forward+backward counts 3.5× the forward.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, i.e. on import
+
+import torch.nn.functional as F  # noqa: E402
+import transformers  # noqa: E402
+import triton  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
+
+from fat5.attention_fat5 import relative_position_bucket  # noqa: E402
+from fat5.kernels.flash_attention_t5 import flash_attention_t5  # noqa: E402
+
+NUM_BUCKETS, MAX_DISTANCE = 32, 128
+IMPLEMENTATIONS = ("fat5", "sdpa_dense_bias", "sdpa_efficient_bias", "flex_lut", "sdpa_nobias")
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def dense_bias(table, length, causal):
+    relative = torch.arange(length, device=table.device)[None, :] - torch.arange(length, device=table.device)[:, None]
+    buckets = relative_position_bucket(relative, not causal, NUM_BUCKETS, MAX_DISTANCE)
+    return table[buckets].permute(2, 0, 1).unsqueeze(0)
+
+
+def causal_mask_bias(bias, causal):
+    if not causal:
+        return bias
+    length = bias.shape[-1]
+    upper = torch.ones(length, length, dtype=torch.bool, device=bias.device).triu(1)
+    return bias.masked_fill(upper, float("-inf"))
+
+
+_compiled_flex = None
+
+
+def run(name, q, k, v, table, causal):
+    """One forward of implementation `name`; the bias is built inside, so it is timed and differentiated."""
+    global _compiled_flex
+    if name == "fat5":
+        return flash_attention_t5(q, k, v, bias_table=table, bidirectional=not causal, num_buckets=NUM_BUCKETS,
+                                  max_distance=MAX_DISTANCE, causal=causal)
+    if name in ("sdpa_dense_bias", "sdpa_efficient_bias"):
+        mask = causal_mask_bias(dense_bias(table, q.shape[2], causal), causal).to(q.dtype)
+        if name == "sdpa_dense_bias":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+    if name == "flex_lut":
+        length = q.shape[2]
+        relative = torch.arange(-(length - 1), length, device=q.device)
+        lut = table[relative_position_bucket(relative, not causal, NUM_BUCKETS, MAX_DISTANCE)].t().to(q.dtype)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            biased = score + lut[h, kv_idx - q_idx + length - 1]
+            return torch.where(kv_idx <= q_idx, biased, float("-inf")) if causal else biased
+
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        return _compiled_flex(q, k, v, score_mod=score_mod, scale=1.0)
+    if name == "sdpa_nobias":
+        backends = [SDPBackend.FLASH_ATTENTION] if q.is_cuda else [SDPBackend.MATH]
+        with sdpa_kernel(backends):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=1.0)
+    raise ValueError(f"unknown implementation {name}")
+
+
+def time_ms(fn, reps, warmup):
+    for _ in range(warmup):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def measure(name, batch, length, args, causal, passes):
+    """Rows for one (implementation, length, causal): status, ms, TFLOP/s and peak extra memory per pass."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    generator = torch.Generator(device=device).manual_seed(0)
+    shape = (batch, args.heads, length, args.head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=generator).requires_grad_()
+               for _ in range(3))
+    table = torch.randn(NUM_BUCKETS, args.heads, device=device, generator=generator).requires_grad_()
+    grad = torch.randn(shape, device=device, dtype=dtype, generator=generator)
+    flops = 4 * batch * args.heads * length * length * args.head_dim * (0.5 if causal else 1.0)
+    rows = []
+    for pass_name in passes:
+        def step():
+            out = run(name, q, k, v, table, causal)
+            if pass_name == "fwd+bwd":
+                out.backward(grad)
+            return out
+
+        row = dict(implementation=name, L=length, batch=batch, causal=causal, **{"pass": pass_name},
+                   tflops=None, ms=None, peak_mib=None, status="ok")
+        try:
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            ms = time_ms(step, args.reps, args.warmup)
+            row.update(ms=ms, tflops=flops * (3.5 if pass_name == "fwd+bwd" else 1) / ms / 1e9)
+            if device == "cuda":
+                row["peak_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+        except torch.cuda.OutOfMemoryError:
+            row["status"] = "oom"
+        except Exception as error:  # a peer failing at one size is recorded, and the run goes on
+            row["status"] = "error: " + (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        for tensor in (q, k, v, table):
+            tensor.grad = None
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        rows.append(row)
+    return rows
+
+
+def agreement(names, batch, length, args, causal):
+    """Max |output - fat5 output| of each implementation, so a fast wrong kernel cannot win."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    generator = torch.Generator(device=device).manual_seed(1)
+    q, k, v = (torch.randn(min(batch, 2), args.heads, length, args.head_dim, device=device, dtype=dtype,
+                           generator=generator) for _ in range(3))
+    table = torch.randn(NUM_BUCKETS, args.heads, device=device, generator=generator)
+    differences = {}
+    with torch.no_grad():
+        ours = run("fat5", q, k, v, table, causal).float()
+        for name in names:
+            if name in ("fat5", "sdpa_nobias"):
+                continue
+            try:
+                differences[name] = (run(name, q, k, v, table, causal).float() - ours).abs().max().item()
+            except torch.cuda.OutOfMemoryError:
+                differences[name] = None
+            except Exception as error:  # recorded by measure(); agreement just has nothing to say
+                differences[name] = f"error: {type(error).__name__}"
+    return differences
+
+
+def device_name():
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU {platform.machine()} (interpreter)"
+
+
+def slug(text):
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+
+
+def markdown(rows, args, stamp):
+    lines = [f"### {device_name()}, {stamp}",
+             "",
+             f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}; "
+             f"H={args.heads}, D={args.head_dim}, {args.dtype}, {args.tokens} tokens a batch. "
+             "TFLOP/s (ms); fwd+bwd FLOPs = 3.5 x fwd; peak = MiB above the inputs.",
+             "",
+             "| causal | pass | L | " + " | ".join(args.impl) + " | fat5 / best peer |",
+             "|" + " --- |" * (len(args.impl) + 4)]
+    keys = sorted({(r["causal"], r["pass"], r["L"]) for r in rows})
+    for causal, pass_name, length in keys:
+        cells, peers = [], []
+        for name in args.impl:
+            row = next((r for r in rows if (r["implementation"], r["causal"], r["pass"], r["L"])
+                        == (name, causal, pass_name, length)), None)
+            if row is None:
+                cells.append("-")
+            elif row["status"] != "ok":
+                cells.append(row["status"].split(":")[0])
+            else:
+                peak = f", {row['peak_mib']} MiB" if row["peak_mib"] is not None else ""
+                cells.append(f"{row['tflops']:.3g} ({row['ms']:.3g} ms{peak})")
+                if name not in ("fat5", "sdpa_nobias"):
+                    peers.append(row["tflops"])
+        ours = next((r for r in rows if (r["implementation"], r["causal"], r["pass"], r["L"])
+                     == ("fat5", causal, pass_name, length) and r["status"] == "ok"), None)
+        ratio = f"{ours['tflops'] / max(peers):.2f}x" if ours and peers and max(peers) > 0 else "-"
+        lines.append(f"| {'yes' if causal else 'no'} | {pass_name} | {length} | " + " | ".join(cells)
+                     + f" | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows, args, path):
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(2, 2, figsize=(11, 8), squeeze=False)
+    for i, causal in enumerate((False, True)):
+        for j, pass_name in enumerate(("fwd", "fwd+bwd")):
+            axis = axes[i][j]
+            for name in args.impl:
+                points = sorted((r["L"], r["tflops"]) for r in rows if r["implementation"] == name
+                                and r["causal"] == causal and r["pass"] == pass_name and r["status"] == "ok")
+                if points:
+                    axis.plot(*zip(*points), marker="o", label=name)
+            axis.set(xscale="log", xlabel="L", ylabel="TFLOP/s",
+                     title=f"{'decoder (causal)' if causal else 'encoder'} {pass_name}")
+            axis.legend(fontsize=7)
+    figure.suptitle(f"T5 attention, {device_name()}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="512,1024,2048,4096,8192,16384,32768")
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=32768, help="tokens a batch: batch = tokens // L")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--impl", default=",".join(IMPLEMENTATIONS))
+    parser.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    parser.add_argument("--peer-max-length", type=int, default=16384, help="peers stop at this L (fat5 goes on)")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--update-results", action="store_true", help=f"append the table to {RESULTS}")
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script itself")
+    args = parser.parse_args()
+    if args.smoke:
+        args.lengths, args.heads, args.head_dim, args.tokens = "32,48", 2, 32, 96
+        args.dtype, args.reps, args.warmup, args.peer_max_length = "float32", 1, 0, 48
+    args.lengths = [int(length) for length in args.lengths.split(",")]
+    args.impl = [name.strip() for name in args.impl.split(",")]
+    unknown = sorted(set(args.impl) - set(IMPLEMENTATIONS))
+    if unknown:
+        parser.error(f"unknown --impl {unknown}; choose from {IMPLEMENTATIONS}")
+    return args
+
+
+def main():
+    args = parse_args()
+    stamp = datetime.date.today().isoformat()
+    causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    print(f"{device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+          f"transformers {transformers.__version__} | {stamp}")
+    rows = []
+    for causal in causal_values:
+        for length in args.lengths:
+            batch = max(1, args.tokens // length)
+            names = [n for n in args.impl if n == "fat5" or length <= args.peer_max_length]
+            differences = agreement(names, batch, length, args, causal)
+            print(f"L={length} batch={batch} causal={causal} max|out - fat5|: "
+                  + ", ".join(f"{n}={d:.3g}" if isinstance(d, float) else f"{n}={d}" for n, d in differences.items()))
+            for name in names:
+                new_rows = measure(name, batch, length, args, causal, ("fwd", "fwd+bwd"))
+                difference = differences.get(name)
+                if isinstance(difference, float) and difference > (5e-2 if args.dtype != "float32" else 1e-3):
+                    for row in new_rows:
+                        row["status"] = f"mismatch: max|out - fat5| = {difference:.3g}"
+                for row in new_rows:
+                    speed = f"{row['tflops']:.3g} TFLOP/s {row['ms']:.3g} ms" if row["status"] == "ok" else ""
+                    peak = f"peak {row['peak_mib']} MiB" if row["peak_mib"] is not None else ""
+                    print(f"  {name:20s} {row['pass']:8s} {speed} {peak} {row['status']}")
+                rows.extend(new_rows)
+    table = markdown(rows, args, stamp)
+    print("\n" + table)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    raw = args.out_dir / f"{slug(device_name())}_{stamp}.json"
+    raw.write_text(json.dumps({"device": device_name(), "date": stamp, "torch": torch.__version__,
+                               "triton": triton.__version__, "transformers": transformers.__version__,
+                               "rows": rows}, indent=1) + "\n")
+    print(f"rows: {raw}")
+    if not args.no_plot:
+        plot(rows, args, args.out_dir / f"{slug(device_name())}_{stamp}.png")
+    if args.update_results:
+        with open(RESULTS, "a") as results:
+            results.write("\n" + table)
+        print(f"appended to {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

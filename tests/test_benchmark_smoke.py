@@ -1,0 +1,21 @@
+"""benchmarks/attention.py runs end to end (CPU, interpreter) and writes its raw rows. No timing is asserted."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "attention.py"
+
+
+def test_smoke_run_writes_rows(tmp_path):
+    result = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--no-plot", "--out-dir", str(tmp_path),
+                             "--impl", "fat5,sdpa_dense_bias,sdpa_nobias", "--causal", "yes"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| causal | pass | L |" in result.stdout
+    (raw,) = tmp_path.glob("*.json")
+    rows = json.loads(raw.read_text())["rows"]
+    assert {"implementation", "L", "batch", "causal", "pass", "tflops", "ms", "peak_mib", "status"} <= set(rows[0])
+    assert {(r["implementation"], r["pass"]) for r in rows if r["status"] == "ok"} >= {
+        ("fat5", "fwd"), ("fat5", "fwd+bwd"), ("sdpa_dense_bias", "fwd"), ("sdpa_dense_bias", "fwd+bwd")}

@@ -110,7 +110,7 @@ def write_safetensors_streaming(plan, folder, dtype, max_shard_size):
 def write_remote_code(folder):
     """Copy FAT5's code flat into `folder` and check every relative import resolves inside it."""
     for flat_name, source in REMOTE_CODE_FILES.items():
-        (folder / flat_name).write_text(NESTED_IMPORT.sub(r"\1\2", source.read_text()))
+        (folder / flat_name).write_text(NESTED_IMPORT.sub(r"\1.\2", source.read_text()))
     for flat_name in REMOTE_CODE_FILES:
         for module in RELATIVE_IMPORT.findall((folder / flat_name).read_text()):
             if not (folder / f"{module}.py").is_file():

@@ -59,6 +59,8 @@ def test_writes_a_complete_sharded_folder(flan, tmp_path):
         if name.endswith(".py"):
             text = (out / name).read_text()
             assert "from .kernels" not in text and "from .." not in text, name
+            for module in ("attention_fat5", "configuration_fat5", "flash_attention_t5"):
+                assert f"from {module} import" not in text, name  # relative, never absolute
 
     written = {}
     for shard in shards:

@@ -1,0 +1,64 @@
+"""The exported folder is a self-contained package: it loads and generates in a process that cannot import
+this repository, through AutoModel classes and the text2text-generation pipeline, on transformers 4.57 and 5.x."""
+
+import json
+
+import pytest
+
+from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
+from convert.flan_to_fat5 import main
+from isolated import run_isolated
+
+CHILD = """
+import importlib.util, json, sys
+import torch
+from transformers import AutoModel, AutoModelForSeq2SeqLM, AutoTokenizer, pipeline
+
+folder, prompts, out_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+result = {"importable": [m for m in ("fat5", "convert") if importlib.util.find_spec(m) is not None]}
+model = AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True).eval()
+base = AutoModel.from_pretrained(folder, trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained(folder)
+result["classes"] = [type(model).__name__, type(model).__module__, type(base).__name__]
+batch = tokenizer(prompts, padding=True, return_tensors="pt")
+with torch.no_grad():
+    greedy = model.generate(**batch, max_new_tokens=32, do_sample=False)
+    beams = model.generate(**batch, max_new_tokens=32, num_beams=3)
+result["greedy"] = tokenizer.batch_decode(greedy, skip_special_tokens=True)
+result["beams"] = tokenizer.batch_decode(beams, skip_special_tokens=True)
+generator = pipeline("text2text-generation", model=folder, trust_remote_code=True)
+result["pipeline_class"] = type(generator).__name__
+result["pipeline"] = [record["generated_text"] for record in generator(prompts, do_sample=False, num_beams=1)]
+with open(out_path, "w") as f:
+    json.dump(result, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "demo-fat5"
+    assert main([str(DEMO_CHECKPOINT), str(out)]) == 0
+    return out
+
+
+def test_demo_checkpoint_round_trips_through_a_clean_process(exported, tmp_path):
+    prompts = [prompt for prompt, _ in DEMO_PROMPTS]
+    expected = [answer for _, answer in DEMO_PROMPTS]
+    result = run_isolated(CHILD, [exported, json.dumps(prompts)], cwd=tmp_path)
+    assert result["importable"] == []
+    class_name, module, base_name = result["classes"]
+    assert class_name == "FAT5ForConditionalGeneration" and module.startswith("transformers_modules")
+    assert base_name == "FAT5Model"
+    assert result["greedy"] == expected
+    assert result["beams"] == expected
+    assert result["pipeline_class"] == "FAT5Text2TextGenerationPipeline"
+    assert result["pipeline"] == expected
+
+
+def test_model_card_carries_metadata_and_parity(exported):
+    card = (exported / "README.md").read_text()
+    assert "library_name: transformers" in card and "pipeline_tag: text2text-generation" in card
+    assert "- fat5" in card and "- custom_code" in card
+    assert "license: apache-2.0" in card
+    assert "Largest absolute difference" in card
+    assert {"spiece.model", "tokenizer_config.json"} <= {path.name for path in exported.iterdir()}

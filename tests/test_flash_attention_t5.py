@@ -1,8 +1,12 @@
 """The Triton kernel against the fp64 torch reference: outputs and gradients of q, k, v and the bias table.
 
 Without CUDA the kernels run in Triton's interpreter (tests/conftest.py), so shapes are small but ragged:
-lengths are not multiples of the 16-wide interpreter tiles. Outputs are poisoned with NaN before each call.
+lengths are not multiples of the 16-wide interpreter tiles (nor of the GPU tiles). Outputs are poisoned with NaN
+before each call. With CUDA the same tests run on the GPU.
 """
+
+import importlib
+import sys
 
 import pytest
 import torch
@@ -22,6 +26,8 @@ FP32_TOLERANCE = 1e-4
 # fp16 inputs (fp32 accumulation) against the fp64 reference.
 FP16_TOLERANCE = 2e-2
 NUM_BUCKETS, MAX_DISTANCE = 8, 12
+INTERPRETED = not torch.cuda.is_available()
+DEVICE = "cpu" if INTERPRETED else "cuda"
 
 
 @pytest.fixture(autouse=True)
@@ -37,11 +43,15 @@ def close(actual, expected, tolerance, name):
 
 def inputs(batch, heads, query_length, key_length, head_dim, dtype=torch.float32, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, query_length, head_dim, generator=generator).to(dtype)
-    k = torch.randn(batch, heads, key_length, head_dim, generator=generator).to(dtype)
-    v = torch.randn(batch, heads, key_length, head_dim, generator=generator).to(dtype)
-    table = torch.randn(NUM_BUCKETS, heads, generator=generator)
+    q = torch.randn(batch, heads, query_length, head_dim, generator=generator).to(DEVICE, dtype)
+    k = torch.randn(batch, heads, key_length, head_dim, generator=generator).to(DEVICE, dtype)
+    v = torch.randn(batch, heads, key_length, head_dim, generator=generator).to(DEVICE, dtype)
+    table = torch.randn(NUM_BUCKETS, heads, generator=generator).to(DEVICE)
     return q, k, v, table
+
+
+def key_mask(batch, key_length):
+    return torch.ones(batch, key_length, dtype=torch.bool, device=DEVICE)
 
 
 def check_against_reference(q, k, v, table=None, tolerance=FP32_TOLERANCE, **kwargs):
@@ -57,7 +67,7 @@ def check_against_reference(q, k, v, table=None, tolerance=FP32_TOLERANCE, **kwa
                                             **({"bias_table": table_reference} if table is not None else {}))
     assert not out.isnan().any()
     close(out, expected, tolerance, "output")
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.dtype)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(DEVICE, out.dtype)
     out.backward(grad)
     expected.backward(grad.double())
     for name, leaf, reference in zip("qkv", leaves, reference_leaves):
@@ -82,7 +92,7 @@ def test_bias_lut_matches_torch_bucketing_at_every_distance():
 @pytest.mark.parametrize("padding", ["none", "right", "left"])
 def test_encoder_t5_bias_with_key_padding(query_length, key_length, padding):
     q, k, v, table = inputs(2, 3, query_length, key_length, 32)
-    mask = torch.ones(2, key_length, dtype=torch.bool)
+    mask = key_mask(2, key_length)
     if padding == "right":
         mask[1, key_length - 9:] = False
     elif padding == "left":
@@ -94,7 +104,7 @@ def test_encoder_t5_bias_with_key_padding(query_length, key_length, padding):
 @pytest.mark.parametrize("length", [33, 50])
 def test_decoder_causal_one_directional_bias(length):
     q, k, v, table = inputs(2, 2, length, length, 32, seed=1)
-    mask = torch.ones(2, length, dtype=torch.bool)
+    mask = key_mask(2, length)
     mask[1, length - 5:] = False
     check_against_reference(q, k, v, table, bidirectional=False, causal=True, key_padding_mask=mask)
 
@@ -115,14 +125,14 @@ def test_long_sequence_uses_far_tiles_and_their_gradient():
 @pytest.mark.parametrize("causal", [False, True])
 def test_alibi(causal):
     q, k, v, _ = inputs(2, 4, 29, 29, 32, seed=4)
-    mask = torch.ones(2, 29, dtype=torch.bool)
+    mask = key_mask(2, 29)
     mask[0, 20:] = False
-    check_against_reference(q, k, v, alibi_slopes=alibi_slopes(4), causal=causal, key_padding_mask=mask)
+    check_against_reference(q, k, v, alibi_slopes=alibi_slopes(4).to(DEVICE), causal=causal, key_padding_mask=mask)
 
 
 def test_no_bias_cross_attention_and_explicit_scale():
     q, k, v, _ = inputs(2, 2, 21, 34, 32, seed=5)
-    mask = torch.ones(2, 34, dtype=torch.bool)
+    mask = key_mask(2, 34)
     mask[1, 25:] = False
     check_against_reference(q, k, v, key_padding_mask=mask, scale=32 ** -0.5)
 
@@ -134,16 +144,15 @@ def test_larger_head_dims(head_dim):
 
 
 def test_fully_masked_rows_return_zeros():
-    q, k, v, table = inputs(2, 2, 18, 18, 32, seed=8)
-    mask = torch.ones(2, 18, dtype=torch.bool)
+    q, k, v, table = inputs(3, 2, 18, 18, 32, seed=8)
+    mask = key_mask(3, 18)
     mask[1, :4] = False  # left padding: causal rows 0..3 of sequence 1 see no key
+    mask[2] = False  # a fully padded sequence: no row sees any key
     out = flash_attention_t5(q, k, v, bias_table=table, num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE,
                              bidirectional=False, causal=True, key_padding_mask=mask)
     assert torch.equal(out[1, :, :4], torch.zeros_like(out[1, :, :4]))
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
     check_against_reference(q, k, v, table, bidirectional=False, causal=True, key_padding_mask=mask)
-
-
-INTERPRETED = not torch.cuda.is_available()
 
 
 @pytest.mark.parametrize("dtype", [
@@ -157,47 +166,63 @@ def test_half_precision_inputs_accumulate_in_fp32(dtype):
     check_against_reference(q, k, v, table, tolerance=FP16_TOLERANCE, bidirectional=True)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_varlen_packed_sequences_never_see_each_other(causal):
-    lengths = [17, 1, 30, 9]
-    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-    total, heads, dim = sum(lengths), 2, 32
+@pytest.mark.parametrize("bias, causal, key_lengths", [
+    ("t5", False, None),
+    ("t5", True, None),
+    ("alibi", True, None),
+    ("none", False, [5, 20, 1, 33]),  # cross attention: other key lengths
+    ("t5", False, [40, 3, 12, 9]),
+])
+def test_varlen_packed_sequences_never_see_each_other(bias, causal, key_lengths):
+    query_lengths = [17, 1, 30, 9]
+    key_lengths = key_lengths or query_lengths
+    cu_q, cu_k = (torch.tensor([0] + n, device=DEVICE).cumsum(0).to(torch.int32) for n in (query_lengths, key_lengths))
+    heads, dim = 3, 32
     generator = torch.Generator().manual_seed(10)
-    q, k, v = (torch.randn(total, heads, dim, generator=generator) for _ in range(3))
-    table = torch.randn(NUM_BUCKETS, heads, generator=generator)
+    q = torch.randn(sum(query_lengths), heads, dim, generator=generator).to(DEVICE)
+    k, v = (torch.randn(sum(key_lengths), heads, dim, generator=generator).to(DEVICE) for _ in range(2))
+    table = torch.randn(NUM_BUCKETS, heads, generator=generator).to(DEVICE)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, table)]
     references = [t.double().requires_grad_() for t in (q, k, v, table)]
-    options = dict(num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE, bidirectional=not causal, causal=causal)
-    out = flash_attention_t5_varlen(*leaves[:3], cu, cu, max(lengths), max(lengths), bias_table=leaves[3],
-                                    **options)
-    expected = flash_attention_t5_varlen_reference(*references[:3], cu, cu, max(lengths), max(lengths),
-                                                   bias_table=references[3], **options)
+    options = dict(causal=causal)
+    if bias == "t5":
+        options.update(num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE, bidirectional=not causal)
+    elif bias == "alibi":
+        options.update(alibi_slopes=alibi_slopes(heads).to(DEVICE))
+    table_leaf = {"bias_table": leaves[3]} if bias == "t5" else {}
+    table_reference = {"bias_table": references[3]} if bias == "t5" else {}
+    lengths = (cu_q, cu_k, max(query_lengths), max(key_lengths))
+    out = flash_attention_t5_varlen(*leaves[:3], *lengths, **options, **table_leaf)
+    expected = flash_attention_t5_varlen_reference(*references[:3], *lengths, **options, **table_reference)
     close(out, expected, FP32_TOLERANCE, "output")
-    grad = torch.randn(out.shape, generator=generator)
+    grad = torch.randn(out.shape, generator=generator).to(DEVICE)
     out.backward(grad)
     expected.backward(grad.double())
-    for name, leaf, reference in zip(["dq", "dk", "dv", "d bias_table"], leaves, references):
+    names = ["dq", "dk", "dv", "d bias_table"] if bias == "t5" else ["dq", "dk", "dv"]
+    for name, leaf, reference in zip(names, leaves, references):
         close(leaf.grad, reference.grad, FP32_TOLERANCE, name)
 
 
 def test_non_contiguous_inputs_as_the_model_passes_them():
     batch, length, heads, dim = 2, 23, 2, 32
     generator = torch.Generator().manual_seed(11)
-    q, k, v = (torch.randn(batch, length, heads, dim, generator=generator).transpose(1, 2) for _ in range(3))
+    q, k, v = (torch.randn(batch, length, heads, dim, generator=generator).to(DEVICE).transpose(1, 2)
+               for _ in range(3))
     assert not q.is_contiguous()
     _, _, _, table = inputs(batch, heads, length, length, dim)
     check_against_reference(q, k, v, table, bidirectional=True)
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda q, k, v, t: flash_attention_t5(q[..., :16], k[..., :16], v[..., :16]), "head dims"),
+    (lambda q, k, v, t: flash_attention_t5(*(x.new_zeros(2, 2, 8, 48) for x in (q, k, v))), "head dims"),
     (lambda q, k, v, t: flash_attention_t5(q, k[:, :1], v[:, :1]), "key and value must be"),
     (lambda q, k, v, t: flash_attention_t5(q, k, v, bias_table=t[:5], num_buckets=NUM_BUCKETS), "bias_table must"),
-    (lambda q, k, v, t: flash_attention_t5(q, k, v, key_padding_mask=torch.ones(2, 3, dtype=torch.bool)),
+    (lambda q, k, v, t: flash_attention_t5(q, k, v, key_padding_mask=key_mask(2, 3)),
      "key_padding_mask must"),
     (lambda q, k, v, t: flash_attention_t5(q, k.double(), v), "must share one of"),
 ])
 def test_bad_inputs_raise_clear_errors(make, message):
+    """Head dim 48, mismatched heads, wrong table or mask shapes, mixed dtypes."""
     q, k, v, table = inputs(2, 2, 8, 8, 32)
     with pytest.raises(ValueError, match=message):
         make(q, k, v, table)
@@ -216,7 +241,17 @@ def test_torch_compile_traces_the_op_in_one_graph():
                                             num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE),
           FP32_TOLERANCE, "compiled output")
     out.sum().backward()
-    assert table.grad is not None and torch.isfinite(table.grad).all()
+    reference_table = table.detach().double().requires_grad_()
+    flash_attention_t5_reference(q.double(), k.double(), v.double(), bias_table=reference_table,
+                                 num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE).sum().backward()
+    close(table.grad, reference_table.grad, FP32_TOLERANCE, "compiled d bias_table")
+
+
+def test_missing_triton_raises_a_clear_import_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # None makes `import triton` fail
+    monkeypatch.delitem(sys.modules, kernel_module.__name__)
+    with pytest.raises(ImportError, match="pip install triton"):
+        importlib.import_module(kernel_module.__name__)
 
 
 def test_fake_implementation_gives_shapes():

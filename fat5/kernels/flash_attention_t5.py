@@ -34,6 +34,8 @@ from ..attention_fat5 import relative_position_bucket
 HEAD_DIMS = (32, 64, 128)
 BIAS_NONE, BIAS_LUT, BIAS_ALIBI = 0, 1, 2
 LOG2E = 1.4426950408889634
+# Compiled (non-interpreted) kernels may only read globals wrapped as constexpr.
+KERNEL_LOG2E = tl.constexpr(LOG2E)
 # Tests set this to fill outputs with NaN before the kernels run, so a tile left unwritten fails loudly.
 POISON_OUTPUTS = False
 
@@ -66,9 +68,10 @@ def _sequence_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr)
 @triton.jit
 def _scores(q, k, rows, cols, h, b, q_len, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES, KMASK,
             stride_mask_b, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
-            HAS_KMASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+            HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr):
     """log2-scaled scores of one tile with the bias added, and the mask of visible pairs."""
-    s = tl.dot(q, k) * qk_scale
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
     relative = cols[None, :] - (rows[:, None] + q_offset)
     if BIAS_TYPE == 1:
         # Scalars bounding this tile's relative positions decide whether a gather is needed.
@@ -77,15 +80,15 @@ def _scores(q, k, rows, cols, h, b, q_len, k_len, q_offset, qk_scale, LUT, strid
         nearest_right = start_n - (start_m + BLOCK_M - 1)
         nearest_left = start_n + BLOCK_N - 1 - start_m
         if nearest_right >= MAX_DIST:
-            s += tl.load(LUT + h * stride_lut_h + 2 * MAX_DIST) * LOG2E
+            s += tl.load(LUT + h * stride_lut_h + 2 * MAX_DIST) * KERNEL_LOG2E
         elif nearest_left <= -MAX_DIST:
-            s += tl.load(LUT + h * stride_lut_h) * LOG2E
+            s += tl.load(LUT + h * stride_lut_h) * KERNEL_LOG2E
         else:
             index = tl.minimum(tl.maximum(relative, -MAX_DIST), MAX_DIST) + MAX_DIST
-            s += tl.load(LUT + h * stride_lut_h + index) * LOG2E
+            s += tl.load(LUT + h * stride_lut_h + index) * KERNEL_LOG2E
     elif BIAS_TYPE == 2:
         slope = tl.load(SLOPES + h)
-        s -= slope * tl.abs(relative).to(tl.float32) * LOG2E
+        s -= slope * tl.abs(relative).to(tl.float32) * KERNEL_LOG2E
     visible = (rows[:, None] < q_len) & (cols[None, :] < k_len)
     if HAS_KMASK:
         keep = tl.load(KMASK + b * stride_mask_b + cols, mask=cols < k_len, other=0)
@@ -103,7 +106,7 @@ def _forward_kernel(Q, K, V, Out, LSE, LUT, SLOPES, KMASK, CU_Q, CU_K,
                     num_heads, seqlen_q, seqlen_k, q_offset, qk_scale,
                     MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
                     HAS_KMASK: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads
@@ -132,7 +135,8 @@ def _forward_kernel(Q, K, V, Out, LSE, LUT, SLOPES, KMASK, CU_Q, CU_K,
         k = tl.load(k_base + (k_start + cols)[None, :] * stride_kn + offs_d[:, None], mask=col_ok[None, :],
                     other=0.0)
         s, visible = _scores(q, k, rows, cols, h, b, q_len, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES,
-                             KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, CAUSAL, HAS_KMASK, BLOCK_M, BLOCK_N)
+                             KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, CAUSAL, HAS_KMASK, DOT_PRECISION, BLOCK_M,
+                             BLOCK_N)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # Rows with nothing visible yet keep m = -inf; shift by 0 instead so exp2 gives 0, not NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -141,7 +145,7 @@ def _forward_kernel(Q, K, V, Out, LSE, LUT, SLOPES, KMASK, CU_Q, CU_K,
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + (k_start + cols)[:, None] * stride_vn + offs_d[None, :], mask=col_ok[:, None],
                     other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     seen = l_i > 0
@@ -162,7 +166,7 @@ def _backward_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LUT, SLOPES, KMASK, C
                           num_heads, seqlen_q, seqlen_k, q_offset, qk_scale, scale,
                           MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
                           HAS_KMASK: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads
@@ -194,12 +198,13 @@ def _backward_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LUT, SLOPES, KMASK, C
         lse = tl.load(LSE + b * stride_lse_b + h * stride_lse_h + q_start + rows, mask=row_ok, other=float("inf"))
         delta = tl.load(DELTA + b * stride_lse_b + h * stride_lse_h + q_start + rows, mask=row_ok, other=0.0)
         s, visible = _scores(q, kt, rows, cols, h, b, q_len, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES,
-                             KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, CAUSAL, HAS_KMASK, BLOCK_M, BLOCK_N)
+                             KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, CAUSAL, HAS_KMASK, DOT_PRECISION, BLOCK_M,
+                             BLOCK_N)
         p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-        dp = tl.dot(do, tl.trans(v).to(do.dtype))
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
+        dp = tl.dot(do, tl.trans(v).to(do.dtype), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
     tl.store(DK + b * stride_dkb + h * stride_dkh + (k_start + cols)[:, None] * stride_dkn + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + b * stride_dvb + h * stride_dvh + (k_start + cols)[:, None] * stride_dvn + offs_d[None, :],
@@ -215,7 +220,8 @@ def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, SLOPES, KMASK, C
                         num_heads, seqlen_q, seqlen_k, q_offset, qk_scale, scale,
                         MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
                         HAS_KMASK: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        DIAGONALS: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads
@@ -237,6 +243,8 @@ def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, SLOPES, KMASK, C
     # dS summed over the tiles that lie wholly beyond -max_distance / +max_distance: one bias entry each.
     far_left = tl.zeros([BLOCK_M], dtype=tl.float32)
     far_right = tl.zeros([BLOCK_M], dtype=tl.float32)
+    offs_m = tl.arange(0, BLOCK_M)
+    diagonals = tl.arange(0, DIAGONALS)
     end_n = k_len
     if CAUSAL:
         end_n = tl.minimum(k_len, (pid_m + 1) * BLOCK_M + q_offset)
@@ -248,12 +256,13 @@ def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, SLOPES, KMASK, C
         vt = tl.load(V + b * stride_vb + h * stride_vh + (k_start + cols)[None, :] * stride_vn + offs_d[:, None],
                      mask=col_ok[None, :], other=0.0)
         s, visible = _scores(q, kt, rows, cols, h, b, q_len, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES,
-                             KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, CAUSAL, HAS_KMASK, BLOCK_M, BLOCK_N)
+                             KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, CAUSAL, HAS_KMASK, DOT_PRECISION, BLOCK_M,
+                             BLOCK_N)
         p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, vt.to(do.dtype))
+        dp = tl.dot(do, vt.to(do.dtype), input_precision=DOT_PRECISION)
         # Zero outside the visible pairs: ragged tails and masked keys must not leak into the bias gradient.
         ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)
-        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
+        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
         if BIAS_TYPE == 1:
             start_q = pid_m * BLOCK_M + q_offset
             nearest_right = start_n - (start_q + BLOCK_M - 1)
@@ -263,14 +272,50 @@ def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, SLOPES, KMASK, C
             elif nearest_left <= -MAX_DIST:
                 far_left += tl.sum(ds, axis=1)
             else:
-                relative = cols[None, :] - (rows[:, None] + q_offset)
+                # Near the diagonal: skew the tile so that column t holds diagonal t (j - i = t - BLOCK_M + 1, one
+                # relative position), sum each diagonal and add one value per diagonal, not one per element.
+                source = diagonals[None, :] + offs_m[:, None] - (BLOCK_M - 1)
+                on_tile = (source >= 0) & (source < BLOCK_N)
+                skewed = tl.gather(ds, tl.where(on_tile, source, 0), axis=1)
+                per_diagonal = tl.sum(tl.where(on_tile, skewed, 0.0), axis=0)
+                relative = start_n - start_q + diagonals - (BLOCK_M - 1)
                 index = tl.minimum(tl.maximum(relative, -MAX_DIST), MAX_DIST) + MAX_DIST
-                tl.atomic_add(DLUT + h * stride_lut_h + index, ds, mask=visible)
+                tl.atomic_add(DLUT + h * stride_lut_h + index, per_diagonal, mask=diagonals < BLOCK_M + BLOCK_N - 1)
     tl.store(DQ + b * stride_dqb + h * stride_dqh + (q_start + rows)[:, None] * stride_dqm + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
     if BIAS_TYPE == 1:
         tl.atomic_add(DLUT + h * stride_lut_h, tl.sum(far_left, axis=0))
         tl.atomic_add(DLUT + h * stride_lut_h + 2 * MAX_DIST, tl.sum(far_right, axis=0))
+
+
+@triton.jit
+def _backward_delta_kernel(O, DO, DELTA, CU_Q, stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
+                           stride_lse_b, stride_lse_h, num_heads, seqlen_q, IS_VARLEN: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta_i = sum_d dO_id * O_id (= sum_j P_ij dP_ij), laid out like the log-sum-exp."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    q_start, q_len, _, _ = _sequence_bounds(b, CU_Q, CU_Q, seqlen_q, seqlen_q, IS_VARLEN)
+    if pid_m * BLOCK_M >= q_len:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = rows < q_len
+    o = tl.load(O + b * stride_ob + h * stride_oh + (q_start + rows)[:, None] * stride_om + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + (q_start + rows)[:, None] * stride_dom + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + b * stride_lse_b + h * stride_lse_h + q_start + rows, delta, mask=row_ok)
+
+
+def _dot_precision(dtype):
+    """fp32 inputs use TF32 tensor cores only where torch's own fp32 matmuls may (set_float32_matmul_precision)."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
 
 
 def _new_output(shape, like, dtype=None):
@@ -337,8 +382,8 @@ def _flash_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
         *_lse_strides(lse, varlen), stride_lut_h, mask.stride(0),
         heads, seqlen_q, seqlen_k, q_offset, scale * LOG2E,
         MAX_DIST=max_dist, BIAS_TYPE=bias_type, CAUSAL=causal, HAS_KMASK=key_mask is not None,
-        IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=warps, num_stages=stages)
+        IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], DOT_PRECISION=_dot_precision(query.dtype), BLOCK_M=block_m,
+        BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     return out, lse
 
 
@@ -358,10 +403,8 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                               causal: bool, q_offset: int, scale: float
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     varlen, batch, heads, seqlen_q, seqlen_k = _geometry(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
-    grad_out = grad_out.contiguous()
-    # delta_i = sum_d dO_id * O_id, laid out like the log-sum-exp.
-    delta = (grad_out.float() * out.float()).sum(-1)
-    delta = delta.transpose(0, 1).contiguous() if varlen else delta.contiguous()
+    # The gradient of a sum() arrives expanded, with stride 0 along the head dim.
+    (grad_out,) = _last_dim_contiguous(grad_out)
     dq, dk, dv = _new_output(query.shape, query), _new_output(key.shape, key), _new_output(value.shape, value)
     bias_type, lut, slopes, stride_lut_h, max_dist = _bias_args(bias_lut, alibi_slopes, query)
     dlut = torch.zeros_like(bias_lut) if bias_lut is not None else query.new_zeros(1, dtype=torch.float32)
@@ -369,8 +412,12 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     cu_q = cu_seqlens_q if varlen else query.new_empty(1, dtype=torch.int32)
     cu_k = cu_seqlens_k if varlen else cu_q
     common = dict(MAX_DIST=max_dist, BIAS_TYPE=bias_type, CAUSAL=causal, HAS_KMASK=key_mask is not None,
-                  IS_VARLEN=varlen, HEAD_DIM=query.shape[-1])
+                  IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], DOT_PRECISION=_dot_precision(query.dtype))
     block_m, block_n, warps, stages = _blocks(query.shape[-1], backward=True, device=query.device)
+    delta = _new_output(lse.shape, lse)
+    _backward_delta_kernel[(triton.cdiv(seqlen_q, block_m), batch * heads)](
+        out, grad_out, delta, cu_q, *_layout(out, varlen), *_layout(grad_out, varlen), *_lse_strides(lse, varlen),
+        heads, seqlen_q, IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], BLOCK_M=block_m, num_warps=warps)
     strides = (*_layout(query, varlen), *_layout(key, varlen), *_layout(value, varlen),
                *_layout(grad_out, varlen))
     scalars = (*_lse_strides(lse, varlen), stride_lut_h, mask.stride(0), heads, seqlen_q, seqlen_k, q_offset,
@@ -382,7 +429,8 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     _backward_dq_kernel[(triton.cdiv(seqlen_q, block_m), batch * heads)](
         query, key, value, grad_out, lse, delta, dq, dlut, lut, slopes, mask, cu_q, cu_k,
         *strides, *_layout(dq, varlen), *scalars,
-        **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        **common, BLOCK_M=block_m, BLOCK_N=block_n, DIAGONALS=triton.next_power_of_2(block_m + block_n - 1),
+        num_warps=warps, num_stages=stages)
     return dq, dk, dv, dlut
 
 

@@ -117,8 +117,9 @@ def sdpa_attention(query, key, value, *, bias_table=None, bidirectional=True, nu
     bias = dense_bias(query_length, key_length, bias_table=bias_table, bidirectional=bidirectional,
                       num_buckets=num_buckets, max_distance=max_distance, alibi_slopes=alibi_slopes,
                       position_bias=position_bias, q_offset=q_offset, device=query.device)
-    use_is_causal = causal and bias is None and key_padding_mask is None and q_offset == 0 \
-        and query_length == key_length
+    # q_offset is a tensor when it comes from a static cache: no is_causal shortcut then.
+    use_is_causal = causal and bias is None and key_padding_mask is None and isinstance(q_offset, int) \
+        and q_offset == 0 and query_length == key_length
     visible = None if use_is_causal else visibility_mask(
         query_length, key_length, key_padding_mask=key_padding_mask, causal=causal, q_offset=q_offset,
         device=query.device)

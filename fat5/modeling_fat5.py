@@ -5,8 +5,10 @@ Parameter names are transformers' T5 names (`shared`, `q,k,v,o`, `wi`/`wi_0`/`wi
 goes through one seam (`attention_fat5`): layers hand q, k, v and the small position parameters to a backend.
 """
 
+import contextlib
 import functools
 import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,7 @@ from transformers.modeling_outputs import (
 
 from .attention_fat5 import alibi_slopes, eager_attention, relative_positions, sdpa_attention
 from .configuration_fat5 import FAT5Config
+from .remote_code_fat5 import mark_as_package, save_as_package
 
 try:
     from transformers import initialization as init  # transformers 5: skips tensors loaded from a checkpoint
@@ -232,7 +235,9 @@ class FAT5Attention(nn.Module):
                 cos, sin = position["rotary"]
                 query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
             if past_key_values is not None:
-                key, value = past_key_values.self_attention_cache.update(key, value, self.layer_idx)
+                # cache_position tells transformers 4.x's static cache where to write (5.x counts itself).
+                key, value = past_key_values.self_attention_cache.update(
+                    key, value, self.layer_idx, cache_kwargs={"cache_position": position["cache_position"]})
             q_offset = position.get("q_offset", 0)
             bias_kwargs = {name: position[name] for name in ("alibi_slopes", "position_bias") if name in position}
             table = self.relative_attention_bias.weight if hasattr(self, "relative_attention_bias") else \
@@ -329,7 +334,8 @@ class FAT5Stack(nn.Module):
     def _position_inputs(self, query_length, key_length, q_offset, device):
         """Small per-forward position parameters shared by every layer (never an (L, L) T5 bias)."""
         config = self.config
-        position = {"q_offset": q_offset}
+        position = {"q_offset": q_offset,
+                    "cache_position": torch.arange(query_length, device=device) + q_offset}
         kind = config.position_encoding_type
         first_attention = self.block[0].layer[0].SelfAttention if len(self.block) else None
         if kind == "t5" and first_attention is not None:
@@ -356,7 +362,16 @@ class FAT5Stack(nn.Module):
         elif use_cache and past_key_values is None:
             past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
         q_offset = past_key_values.get_seq_length() if past_key_values is not None else 0
-        key_length = q_offset + length
+        if isinstance(q_offset, torch.Tensor):
+            # A static cache's own counter, which its update() advances in place during this forward.
+            q_offset = q_offset.clone()
+        static_length = _static_cache_length(past_key_values)
+        key_length = q_offset + length if static_length is None else static_length
+        if attention_mask is not None and attention_mask.dim() == 4 and self.is_decoder:
+            attention_mask = _key_mask_from_causal_mask(attention_mask)
+        if static_length is not None and attention_mask is not None and attention_mask.shape[-1] < static_length:
+            # A static cache returns all its slots; the ones not yet written are future keys, hidden by causality.
+            attention_mask = F.pad(attention_mask, (0, static_length - attention_mask.shape[-1]), value=1)
         key_padding_mask = _key_mask(attention_mask, batch, key_length, "attention_mask")
         encoder_key_padding_mask = None
         if encoder_hidden_states is not None:
@@ -382,6 +397,24 @@ class FAT5Stack(nn.Module):
                                                          hidden_states=all_hidden_states)
 
 
+def _static_cache_length(past_key_values):
+    """Length of the keys a static (compileable) self-attention cache returns (all its slots), else None."""
+    cache = getattr(past_key_values, "self_attention_cache", None)
+    if cache is None or not getattr(cache, "is_compileable", False):
+        return None
+    # transformers 5 names it get_max_length, 4.x get_max_cache_shape.
+    max_length = getattr(cache, "get_max_length", None) or cache.get_max_cache_shape
+    return max_length()
+
+
+def _key_mask_from_causal_mask(mask):
+    """(B, Lk) key mask from a causal (B, 1, Lq, Lk) mask as transformers builds them (bool: True = attend, or
+    additive: 0 = attend). The last query row sees every key up to it, so it holds the keys' padding; causality
+    itself is applied by the attention."""
+    last_row = mask[:, 0, -1, :]
+    return last_row if last_row.dtype == torch.bool else last_row == 0
+
+
 def _key_mask(mask, batch, key_length, name):
     """A (B, Lk) boolean key mask from a 0/1 attention mask, or None when nothing is masked."""
     if mask is None:
@@ -390,6 +423,22 @@ def _key_mask(mask, batch, key_length, name):
         raise ValueError(f"{name} must have shape (batch, key_length) = {(batch, key_length)}, "
                          f"got {tuple(mask.shape)}")
     return mask.to(torch.bool)
+
+
+@contextlib.contextmanager
+def _no_transformers_code_copy(model_class):
+    """transformers copies a registered class's module and its relative imports by their package paths, which
+    breaks on fat5/kernels/ ("kernels.flash_attention_t5.py" not found); FAT5 writes its own code instead."""
+    own = "_auto_class" in vars(model_class)
+    previous = model_class._auto_class
+    model_class._auto_class = None
+    try:
+        yield
+    finally:
+        if own:
+            model_class._auto_class = previous
+        else:
+            del model_class._auto_class
 
 
 class FAT5PreTrainedModel(PreTrainedModel):
@@ -420,6 +469,28 @@ class FAT5PreTrainedModel(PreTrainedModel):
         elif isinstance(module, FAT5FIREBias):
             init.constant_(module.c, self.config.fire_init_c)
             init.constant_(module.threshold, self.config.fire_init_threshold)
+
+    def save_pretrained(self, save_directory, *args, is_main_process=True, push_to_hub=False, **kwargs):
+        """transformers' save_pretrained, always giving a complete FAT5 package (code flat beside the config,
+        `auto_map`, the text2text pipeline), whether the model was loaded from a folder or built here; written
+        to a staging folder first, so an error leaves `save_directory` as it was."""
+        if not is_main_process or os.path.isfile(save_directory):
+            return super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        hub_kwargs = {name: kwargs.pop(name) for name in ("repo_id", "commit_message", "commit_description",
+                                                          "private", "token", "revision", "create_pr")
+                      if name in kwargs}
+        mark_as_package(self.config)
+        parent_save = super().save_pretrained
+        with _no_transformers_code_copy(type(self)):
+            save_as_package(lambda staging: parent_save(staging, *args, **kwargs), save_directory)
+        if push_to_hub:
+            repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.normpath(save_directory)))
+            return self.push_to_hub(repo_id, **hub_kwargs)
+
+    def create_masks_for_generate(self, attention_mask=None, **kwargs):
+        """generate() turns the decoder's mask into a dense 4-D causal mask for static caches; FAT5 applies
+        causality inside attention and takes only a (batch, keys) padding mask, so it keeps the 2-D one."""
+        return attention_mask
 
     def _shift_right(self, input_ids):
         """Decoder inputs from labels: prepend decoder_start_token_id, turn -100 into pad."""

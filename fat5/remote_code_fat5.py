@@ -27,8 +27,8 @@ AUTO_MAP = {
     "AutoModelForQuestionAnswering": "modeling_fat5.FAT5ForQuestionAnswering",
 }
 PIPELINE_TASK = "text2text-generation"
-# Weight shards transformers' save_pretrained removes when a new save no longer writes them.
-SHARD_FILE = re.compile(r"(model|pytorch_model)-\d{5}-of-\d{5}\.(safetensors|bin)")
+# Weight shards (and their index) of an earlier save that a new save no longer writes, as transformers removes them.
+SHARD_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5}\.(safetensors|bin)|\.(safetensors|bin)\.index\.json)")
 
 
 def custom_pipelines_entry():

@@ -6,6 +6,7 @@ with the right shape, and anything else is an error that names the tensor. Tenso
 (safetensors slices, or a memory-mapped `pytorch_model.bin`), so peak memory is about one tensor.
 """
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,12 +217,32 @@ def convert_checkpoint(folder, dtype=None):
     return plan.config, dict(iter_converted_tensors(plan, dtype))
 
 
+@contextlib.contextmanager
+def _expected_untied_warning_silenced(source_config):
+    """transformers 5 forces tie_word_embeddings=True on T5 configs, then warns that an untied checkpoint (FLAN-T5,
+    mT5) "will NOT tie"; it does not, which is right. Drop that one warning when config.json says untied."""
+    import logging
+
+    def drop(record):
+        return "NOT tie" not in record.getMessage()
+
+    logger = logging.getLogger("transformers.modeling_utils")
+    untied = source_config.get("tie_word_embeddings") is False
+    if untied:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
 def load_source_model(folder, dtype=None):
     """The transformers model of a T5-family checkpoint folder, in eval mode: the reference FAT5 must match."""
     from transformers import AutoModelForSeq2SeqLM
 
-    model = AutoModelForSeq2SeqLM.from_pretrained(folder, dtype=dtype).eval()
     source_config = _read_json(Path(folder) / "config.json")
+    with _expected_untied_warning_silenced(source_config):
+        model = AutoModelForSeq2SeqLM.from_pretrained(folder, dtype=dtype).eval()
     if source_config["model_type"] == "umt5":
         # transformers 5 forces tie_word_embeddings=True for UMT5 and then rescales the decoder output of
         # untied checkpoints; umT5 itself (and transformers 4) does not. Restore the checkpoint's flag.

@@ -263,6 +263,8 @@ class FAT5Attention(nn.Module):
         dropout_p = self.config.attention_dropout_rate if self.training else 0.0
         backend = select_attention_backend(self.config, query, "position_bias" in bias_kwargs, dropout_p)
         extra = {} if backend == "triton" else {"dropout_p": dropout_p}
+        if backend == "triton" and isinstance(q_offset, torch.Tensor):
+            q_offset = int(q_offset)  # a static cache's counter; the kernel takes the offset as a scalar
         weights_sink = position.get("attention_weights")
         if weights_sink is not None:
             # output_attentions: only the eager reference materialises the probabilities.

@@ -15,10 +15,11 @@ VOCAB = 61
 def confident_model(num_layers=2, num_decoder_layers=2, **overrides):
     """A tiny model whose random weights are large enough that its greedy choices are not near-ties (T5's
     initialisation makes a fresh model emit one token forever, which would prove nothing)."""
-    config = FAT5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=num_layers,
-                        num_decoder_layers=num_decoder_layers, num_heads=4, relative_attention_num_buckets=8,
-                        relative_attention_max_distance=20, dropout_rate=0.0, feed_forward_proj="gated-gelu",
-                        tie_word_embeddings=False, **overrides)
+    values = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=num_layers,
+                  num_decoder_layers=num_decoder_layers, num_heads=4, relative_attention_num_buckets=8,
+                  relative_attention_max_distance=20, dropout_rate=0.0, feed_forward_proj="gated-gelu",
+                  tie_word_embeddings=False)
+    config = FAT5Config(**{**values, **overrides})
     torch.manual_seed(0)
     model = FAT5ForConditionalGeneration(config).eval()
     with torch.no_grad():
@@ -124,3 +125,13 @@ def test_static_cache_decoding_compiles_without_graph_breaks():
     finally:
         model.forward = original
     assert decode_steps
+
+
+def test_static_cache_with_the_triton_kernel_gives_the_eager_tokens():
+    """The kernel (interpreted on CPU) takes a static cache's offset, which is a tensor, as a scalar."""
+    model = confident_model(1, 1, d_kv=32, num_heads=2)
+    inputs = dict(**padded_inputs(), max_new_tokens=3, min_new_tokens=3)
+    model.config.attention_backend = "eager"
+    expected = model.generate(**inputs)
+    model.config.attention_backend = "triton"
+    assert torch.equal(model.generate(**inputs, cache_implementation="static"), expected)

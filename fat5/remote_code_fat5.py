@@ -14,8 +14,8 @@ from pathlib import Path
 CODE_DIR = Path(__file__).resolve().parent
 # The modules a checkpoint loads by name; everything they import relatively comes with them (kernels included).
 ENTRY_MODULES = ("configuration_fat5", "modeling_fat5", "pipeline_fat5")
-# In the installed package kernels live in kernels/ (`from .kernels.x import` in the model, `from ..y import` in
-# a kernel); transformers resolves only same-folder imports, so checkpoints hold them flat.
+# In the installed package kernels live in kernels/ (imported by the model as `.kernels.NAME`, and importing the
+# model's modules as `..NAME`); transformers resolves only same-folder imports, so checkpoints hold them flat.
 NESTED_IMPORT = re.compile(r"^(\s*from\s+)(?:\.kernels\.|\.\.)(\w+\s+import\b)", re.MULTILINE)
 RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\S*)\s+import", re.MULTILINE)
 AUTO_MAP = {
@@ -56,7 +56,7 @@ def _module_path(module):
                   if path.is_file()]
     if "." in module or len(candidates) != 1:
         raise FileNotFoundError(f"FAT5 remote code imports .{module}, which is not exactly one module of {CODE_DIR} "
-                                "(kernels must be imported as `from .kernels.NAME import ...`)")
+                                "(a kernel must be imported by its module path, `.kernels.NAME`)")
     return candidates[0]
 
 

@@ -67,7 +67,8 @@ def test_output_attentions_returns_the_eager_attention_weights():
     mixed = (output.encoder_attentions[0] @ value).transpose(1, 2).reshape(3, 29, 32)
     expected = attention.SelfAttention(hidden, key_padding_mask=batch["attention_mask"].bool(),
                                        position=model.encoder._position_inputs(29, 29, 0, "cpu"))
-    assert torch.allclose(attention.SelfAttention.o(mixed), expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
+    tolerance = 1e-5 * expected.abs().max().item()
+    assert torch.allclose(attention.SelfAttention.o(mixed), expected, rtol=1e-4, atol=tolerance)
 
 
 def test_generate_returns_attentions_of_every_step():

@@ -513,6 +513,7 @@ class FAT5PreTrainedModel(PreTrainedModel):
         if segment_ids is not None:
             starts = (segment_ids != F.pad(segment_ids[:, :-1], (1, 0))) & (segment_ids > 0)
             shifted = shifted.masked_fill(starts, self.config.decoder_start_token_id)
+            shifted = shifted.masked_fill(segment_ids == 0, self.config.pad_token_id)
         return shifted.masked_fill(shifted == -100, self.config.pad_token_id)
 
 

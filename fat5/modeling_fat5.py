@@ -687,6 +687,11 @@ class FAT5EncoderModel(FAT5EncoderMixin, FAT5PreTrainedModel):
         return BaseModelOutput(last_hidden_state=outputs.last_hidden_state, hidden_states=outputs.hidden_states)
 
 
+def _reject_segment_ids(kwargs, class_name):
+    if kwargs.get("segment_ids") is not None:
+        raise ValueError(f"{class_name} takes one example per row: packed batches (segment_ids) are not supported")
+
+
 class FAT5ClassificationHead(nn.Module):
     """Dense-tanh-projection head, as T5ForSequenceClassification's."""
 
@@ -712,6 +717,7 @@ class FAT5ForSequenceClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
                 output_hidden_states=None, return_dict=None, **kwargs):
+        _reject_segment_ids(kwargs, "FAT5ForSequenceClassification")
         outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states)
         hidden = outputs.last_hidden_state
         if attention_mask is None:
@@ -761,6 +767,7 @@ class FAT5ForQuestionAnswering(FAT5EncoderMixin, FAT5PreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, start_positions=None,
                 end_positions=None, output_hidden_states=None, return_dict=None, **kwargs):
+        _reject_segment_ids(kwargs, "FAT5ForQuestionAnswering")
         outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states)
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).float().unbind(dim=-1)
         loss = None

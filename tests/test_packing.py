@@ -5,12 +5,19 @@ import random
 
 import pytest
 import torch
+from transformers import Trainer, TrainingArguments
 
 from fat5.attention_fat5 import eager_attention, sdpa_attention, segment_positions
 from fat5.configuration_fat5 import FAT5Config
-from fat5.modeling_fat5 import FAT5EncoderModel, FAT5ForConditionalGeneration, FAT5Model
+from fat5.modeling_fat5 import (
+    FAT5EncoderModel,
+    FAT5ForConditionalGeneration,
+    FAT5ForSequenceClassification,
+    FAT5Model,
+)
 from fat5.training.packing import (
     PackedSeq2SeqCollator,
+    PaddingFractionLoggingMixin,
     PaddingTracker,
     TokenBudgetBatchSampler,
     group_by_length,
@@ -198,14 +205,38 @@ def test_bad_segment_ids_get_one_clear_error():
         model(**{k: v for k, v in batch.items() if k != "decoder_segment_ids"})
     with pytest.raises(ValueError, match="need segment_ids"):
         model(**{k: v for k, v in batch.items() if k != "segment_ids"})
+    with pytest.raises(ValueError, match="segment_ids must have shape"):
+        model(**dict(batch, segment_ids=batch["segment_ids"][:, :-1]))
+    classifier = FAT5ForSequenceClassification(model.config)
+    with pytest.raises(ValueError, match="packed batches \\(segment_ids\\) are not supported"):
+        classifier(input_ids=batch["input_ids"], segment_ids=batch["segment_ids"])
 
 
-def test_trainer_keeps_the_packing_columns():
-    # Trainer drops dataset columns that forward does not name.
+def test_trainer_keeps_the_packing_columns_and_logs_the_padding_fraction(tmp_path):
+    # Trainer drops dataset columns that forward does not name: a pre-packed dataset must keep its segment ids.
     for model_class in (FAT5ForConditionalGeneration, FAT5Model):
         parameters = inspect.signature(model_class.forward).parameters
         assert {"segment_ids", "decoder_segment_ids"} <= parameters.keys()
     assert "segment_ids" in inspect.signature(FAT5EncoderModel.forward).parameters
+
+    batch = collate(make_examples())
+    rows = [{name: tensor[row].tolist() for name, tensor in batch.items()} | {"text": "dropped"}
+            for row in range(batch["input_ids"].shape[0])]
+    model = tiny_model("eager", "t5")
+    seen = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(set(kwargs)), with_kwargs=True)
+
+    class PackedTrainer(PaddingFractionLoggingMixin, Trainer):
+        pass
+
+    arguments = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=len(rows), max_steps=2,
+                                  logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                                  disable_tqdm=True)
+    trainer = PackedTrainer(model=model, args=arguments, train_dataset=rows)
+    trainer.train()
+    assert seen and all({"segment_ids", "decoder_segment_ids"} <= keys and "text" not in keys for keys in seen)
+    logged = [entry["padding_fraction"] for entry in trainer.state.log_history if "padding_fraction" in entry]
+    assert logged == [pytest.approx(padding_fraction(batch), abs=1e-4)] * 2
 
 
 # --- the collator ---

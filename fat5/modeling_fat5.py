@@ -196,7 +196,7 @@ def rotate_half(x):
 
 
 def rotary_cos_sin(positions, dim, theta, device):
-    """cos/sin of shape (L, dim) for RoPE, computed in fp32 so long positions stay distinct."""
+    """cos/sin of shape (*positions.shape, dim) for RoPE, in fp32 so long positions stay distinct."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     angles = positions.to(torch.float32)[..., None] * inv_freq
     angles = torch.cat((angles, angles), dim=-1)

@@ -207,6 +207,12 @@ def test_bad_segment_ids_get_one_clear_error():
         model(**{k: v for k, v in batch.items() if k != "segment_ids"})
     with pytest.raises(ValueError, match="segment_ids must have shape"):
         model(**dict(batch, segment_ids=batch["segment_ids"][:, :-1]))
+    with pytest.raises(ValueError, match="not for decoding step by step with a cache"):
+        with torch.no_grad():
+            output = model(**batch, use_cache=True)
+            step = {k: v[:, -1:] if k.startswith("decoder_") else v for k, v in batch.items()
+                    if k not in ("labels", "decoder_attention_mask")}
+            model(**step, past_key_values=output.past_key_values)
     classifier = FAT5ForSequenceClassification(model.config)
     with pytest.raises(ValueError, match="packed batches \\(segment_ids\\) are not supported"):
         classifier(input_ids=batch["input_ids"], segment_ids=batch["segment_ids"])

@@ -23,6 +23,8 @@ REMOTE_CODE_FILES = {
     "attention_fat5.py": PACKAGE_DIR / "attention_fat5.py",
     "pipeline_fat5.py": PACKAGE_DIR / "pipeline_fat5.py",
     "flash_attention_t5.py": PACKAGE_DIR / "kernels" / "flash_attention_t5.py",
+    "linear_cross_entropy.py": PACKAGE_DIR / "kernels" / "linear_cross_entropy.py",
+    "rms_norm.py": PACKAGE_DIR / "kernels" / "rms_norm.py",
 }
 # In the package, kernels live in fat5/kernels/; in the flat folder they sit beside the model.
 NESTED_IMPORT = re.compile(r"^(\s*from\s+)(?:\.kernels\.|\.\.)(\w+\s+import\b)", re.MULTILINE)

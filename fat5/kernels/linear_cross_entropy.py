@@ -31,9 +31,10 @@ def seq2seq_lm_loss(logits, labels, label_smoothing=0.0, z_loss=0.0, num_items_i
     loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing,
                            reduction=reduction)
     if z_loss > 0:
-        log_z = torch.logsumexp(logits[labels != IGNORE_INDEX], dim=-1)
-        squared = log_z.pow(2)
-        loss = loss + z_loss * (squared.mean() if num_items_in_batch is None else squared.sum())
+        # where() rather than boolean indexing: no copy of the logits, and static shapes for torch.compile.
+        real = labels != IGNORE_INDEX
+        squared = torch.where(real, torch.logsumexp(logits, dim=-1).pow(2), 0.0).sum()
+        loss = loss + z_loss * (squared / real.sum() if num_items_in_batch is None else squared)
     if num_items_in_batch is not None:
         loss = loss / num_items_in_batch
     return loss

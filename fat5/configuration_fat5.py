@@ -33,6 +33,13 @@ class FAT5Config(PretrainedConfig):
         Parameters of RoPE and FIRE.
     z_loss (`float`), label_smoothing (`float`):
         Extra terms of the language-modelling loss (z-loss as in PaLM: `z_loss * logsumexp(logits)**2`).
+    return_logits_in_training (`bool`, defaults to `False`):
+        In training, `FAT5ForConditionalGeneration` computes the LM head and its loss chunk by chunk without
+        materialising the logits, and returns `logits=None`. Set True to get the logits (full-vocabulary fp32
+        memory). Evaluation (`model.eval()`) always returns them.
+    lm_loss_implementation (`str`, defaults to `"chunked"`):
+        `"chunked"`: FAT5's chunked linear cross-entropy (any device). `"liger"`: liger-kernel's fused linear
+        cross-entropy (CUDA only, `pip install fat5[liger]`).
     """
 
     model_type = "fat5"
@@ -73,6 +80,8 @@ class FAT5Config(PretrainedConfig):
         fire_init_threshold=512.0,
         z_loss=0.0,
         label_smoothing=0.0,
+        return_logits_in_training=False,
+        lm_loss_implementation="chunked",
         is_encoder_decoder=True,
         use_cache=True,
         pad_token_id=0,
@@ -106,6 +115,8 @@ class FAT5Config(PretrainedConfig):
         self.fire_init_threshold = fire_init_threshold
         self.z_loss = z_loss
         self.label_smoothing = label_smoothing
+        self.return_logits_in_training = return_logits_in_training
+        self.lm_loss_implementation = lm_loss_implementation
         self.use_cache = use_cache
         # T5 starts decoding from the pad token.
         decoder_start_token_id = pad_token_id if decoder_start_token_id is None else decoder_start_token_id
@@ -187,6 +198,8 @@ class FAT5Config(PretrainedConfig):
                 fail(field, f"must be in [0, 1), got {getattr(self, field)!r}")
         if self.z_loss < 0:
             fail("z_loss", f"must be >= 0, got {self.z_loss!r}")
+        if self.lm_loss_implementation not in ("chunked", "liger"):
+            fail("lm_loss_implementation", f"{self.lm_loss_implementation!r} is not one of ('chunked', 'liger')")
         if self.attention_scale <= 0:
             fail("attention_scale", f"must be > 0, got {self.attention_scale!r}")
         if self.pad_token_id is None or self.decoder_start_token_id is None:

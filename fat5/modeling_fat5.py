@@ -36,6 +36,7 @@ from .attention_fat5 import (
     segment_positions,
 )
 from .configuration_fat5 import FAT5Config
+from .kernels.linear_cross_entropy import linear_cross_entropy, seq2seq_lm_loss
 from .remote_code_fat5 import mark_as_package, save_as_package
 
 try:
@@ -129,11 +130,22 @@ class FAT5LayerNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states):
-        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
-            hidden_states = hidden_states.to(self.weight.dtype)
-        return self.weight * hidden_states
+        if hidden_states.is_cuda and triton_installed():
+            # One fused Triton kernel instead of several elementwise ones; same casting.
+            from .kernels.rms_norm import rms_norm
+
+            return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        return t5_rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def t5_rms_norm(hidden_states, weight, eps):
+    """T5LayerNorm's math (the reference of the Triton kernel): x * rsqrt(mean(x**2) + eps) with the statistics
+    in fp32, cast to the weight's dtype when it is half precision, then times the weight."""
+    variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + eps)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        hidden_states = hidden_states.to(weight.dtype)
+    return weight * hidden_states
 
 
 class FAT5DenseActDense(nn.Module):
@@ -714,22 +726,6 @@ class FAT5Model(FAT5EncoderDecoderMixin, FAT5PreTrainedModel):
         ), return_dict)
 
 
-def seq2seq_lm_loss(logits, labels, label_smoothing=0.0, z_loss=0.0, num_items_in_batch=None):
-    """Cross-entropy over tokens whose label is not -100 (their mean, or their sum / num_items_in_batch as the
-    Trainer asks under gradient accumulation), plus the optional z-loss on the same tokens."""
-    logits = logits.reshape(-1, logits.shape[-1]).float()
-    labels = labels.reshape(-1).to(logits.device)
-    reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = F.cross_entropy(logits, labels, ignore_index=-100, label_smoothing=label_smoothing, reduction=reduction)
-    if z_loss > 0:
-        log_z = torch.logsumexp(logits[labels != -100], dim=-1)
-        squared = log_z.pow(2)
-        loss = loss + z_loss * (squared.mean() if num_items_in_batch is None else squared.sum())
-    if num_items_in_batch is not None:
-        loss = loss / num_items_in_batch
-    return loss
-
-
 class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "shared.weight"}
 
@@ -765,11 +761,16 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
         if self.config.scale_decoder_outputs:
             # T5 v1.0 ties the LM head to the input embedding and rescales before it.
             sequence_output = sequence_output * self.model_dim**-0.5
-        logits = self.lm_head(sequence_output.to(self.lm_head.weight.dtype))
-        loss = None
-        if labels is not None:
-            loss = seq2seq_lm_loss(logits, labels, self.config.label_smoothing, self.config.z_loss,
-                                   num_items_in_batch)
+        sequence_output = sequence_output.to(self.lm_head.weight.dtype)
+        loss = logits = None
+        if labels is not None and self._loss_without_logits():
+            loss = linear_cross_entropy(sequence_output, self.lm_head.weight, labels, self.config.label_smoothing,
+                                        self.config.z_loss, num_items_in_batch, self.config.lm_loss_implementation)
+        else:
+            logits = self.lm_head(sequence_output)
+            if labels is not None:
+                loss = seq2seq_lm_loss(logits, labels, self.config.label_smoothing, self.config.z_loss,
+                                       num_items_in_batch)
         return self._output(Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
@@ -788,6 +789,15 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
         from .pipeline_fat5 import text2text_pipeline
 
         return text2text_pipeline(self, tokenizer, **kwargs)
+
+    def _loss_without_logits(self):
+        """Training computes the loss chunk by chunk and returns no logits (8 GB in fp32 at mT5's vocabulary and
+        8k target tokens), unless config.return_logits_in_training asks for them. Evaluation keeps the logits.
+        A head that is not a plain bias-free Linear (e.g. wrapped by PEFT), or one partitioned by DeepSpeed
+        ZeRO-3 (gathered only when its own forward runs), goes through the full logits."""
+        head = self.lm_head
+        return (self.training and not self.config.return_logits_in_training and type(head) is nn.Linear
+                and head.bias is None and not hasattr(head.weight, "ds_id"))
 
     def prepare_decoder_input_ids_from_labels(self, labels):
         return self._shift_right(labels)

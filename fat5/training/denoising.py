@@ -269,12 +269,13 @@ class DenoisingMixture:
         """Yields examples from an iterable of token-id lists (one a document). Each example takes the next raw
         chunk of its denoiser's length from the current document (chunks never cross documents; a document's
         last chunk may be shorter; pieces under 2 tokens are dropped). Example n uses a generator seeded with
-        (seed, n), so the stream is deterministic for a seed."""
+        (*seed, n) (`seed` an int or a tuple of ints), so the stream is deterministic for a seed."""
+        seed = list(seed) if isinstance(seed, (tuple, list)) else [seed]
         count = 0
         for tokens in documents:
             start = 0
             while len(tokens) - start >= 2:
-                rng = np.random.default_rng([seed, count])
+                rng = np.random.default_rng([*seed, count])
                 index = self.choose(rng)
                 chunk = tokens[start:start + self.raw_lengths[index]]
                 start += len(chunk)

@@ -25,7 +25,14 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 
-from .attention_fat5 import alibi_slopes, eager_attention, relative_positions, sdpa_attention
+from .attention_fat5 import (
+    PackedSegments,
+    alibi_slopes,
+    eager_attention,
+    relative_positions,
+    sdpa_attention,
+    segment_positions,
+)
 from .configuration_fat5 import FAT5Config
 
 try:
@@ -36,11 +43,26 @@ except ImportError:  # transformers 4.x only initialises modules whose weights a
 TRITON_HEAD_DIMS = (32, 64, 128)
 
 
-def triton_attention(query, key, value, **kwargs):
+def triton_attention(query, key, value, segments=None, **kwargs):
     # Imported lazily: the kernel needs triton, which CPU-only installs lack.
-    from .kernels.flash_attention_t5 import flash_attention_t5
+    from .kernels.flash_attention_t5 import flash_attention_t5, flash_attention_t5_varlen
 
-    return flash_attention_t5(query, key, value, **kwargs)
+    if segments is None:
+        return flash_attention_t5(query, key, value, **kwargs)
+    # Packed rows: drop padding, run each segment as one varlen sequence, put the rows back (padding rows = 0).
+    if kwargs.pop("key_padding_mask") is not None or kwargs.pop("q_offset") != 0:
+        raise ValueError("packed attention takes its padding from the segment ids and has no cache offset")
+    layout = segments.varlen
+    batch, heads, query_length, head_dim = query.shape
+
+    def unpad(states, index):
+        return states.transpose(1, 2).reshape(-1, heads, head_dim).index_select(0, index)
+
+    output = flash_attention_t5_varlen(
+        unpad(query, layout["query_index"]), unpad(key, layout["key_index"]), unpad(value, layout["key_index"]),
+        layout["cu_seqlens_q"], layout["cu_seqlens_k"], layout["max_seqlen_q"], layout["max_seqlen_k"], **kwargs)
+    padded = output.new_zeros(batch * query_length, heads, head_dim).index_copy(0, layout["query_index"], output)
+    return padded.view(batch, query_length, heads, head_dim).transpose(1, 2)
 
 
 ATTENTION_FUNCTIONS = {"eager": eager_attention, "sdpa": sdpa_attention, "triton": triton_attention}
@@ -153,14 +175,19 @@ class FAT5FIREBias(nn.Module):
         self.c = nn.Parameter(torch.tensor(config.fire_init_c))
         self.threshold = nn.Parameter(torch.tensor(config.fire_init_threshold))
 
-    def forward(self, query_length, key_length, q_offset, device):
-        relative = relative_positions(query_length, key_length, q_offset, device).float()
+    def forward(self, query_length, key_length, q_offset, device, positions=None):
+        """(1, H, Lq, Lk) bias; (B, H, L, L) for packed rows, whose (B, L) `positions` restart at each segment."""
+        if positions is None:
+            relative = relative_positions(query_length, key_length, q_offset, device).float()[None]
+            query_position = (torch.arange(query_length, device=device, dtype=torch.float32) + q_offset)[None]
+        else:
+            query_position = positions.float()
+            relative = query_position[:, None, :] - query_position[:, :, None]
         c = self.c.abs()
-        query_position = torch.arange(query_length, device=device, dtype=torch.float32) + q_offset
-        normaliser = torch.log(c * torch.maximum(self.threshold.abs(), query_position + 1) + 1)[:, None]
+        normaliser = torch.log(c * torch.maximum(self.threshold.abs(), query_position + 1) + 1)[..., None]
         distance = torch.sign(relative) * torch.log(c * relative.abs() + 1) / normaliser
-        bias = self.mlp_out(F.relu(self.mlp_in(distance.unsqueeze(-1))))  # (Lq, Lk, H)
-        return bias.permute(2, 0, 1).unsqueeze(0)
+        bias = self.mlp_out(F.relu(self.mlp_in(distance.unsqueeze(-1))))  # (1 | B, Lq, Lk, H)
+        return bias.permute(0, 3, 1, 2)
 
 
 def rotate_half(x):
@@ -171,7 +198,7 @@ def rotate_half(x):
 def rotary_cos_sin(positions, dim, theta, device):
     """cos/sin of shape (L, dim) for RoPE, computed in fp32 so long positions stay distinct."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = positions.to(torch.float32)[..., None] * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
@@ -225,6 +252,7 @@ class FAT5Attention(nn.Module):
                     key, value = cache.update(key, value, self.layer_idx)
                     past_key_values.is_updated[self.layer_idx] = True
             bias_kwargs, q_offset = {}, 0
+            segments = position.get("cross_segments")
         else:
             key = self._project(self.k, hidden_states)
             value = self._project(self.v, hidden_states)
@@ -234,6 +262,7 @@ class FAT5Attention(nn.Module):
             if past_key_values is not None:
                 key, value = past_key_values.self_attention_cache.update(key, value, self.layer_idx)
             q_offset = position.get("q_offset", 0)
+            segments = position.get("segments")
             bias_kwargs = {name: position[name] for name in ("alibi_slopes", "position_bias") if name in position}
             table = self.relative_attention_bias.weight if hasattr(self, "relative_attention_bias") else \
                 position.get("bias_table")
@@ -245,6 +274,9 @@ class FAT5Attention(nn.Module):
         dropout_p = self.config.attention_dropout_rate if self.training else 0.0
         backend = select_attention_backend(self.config, query, "position_bias" in bias_kwargs, dropout_p)
         extra = {} if backend == "triton" else {"dropout_p": dropout_p}
+        if segments is not None:
+            extra.update({"segments": segments} if backend == "triton" else {
+                "query_segment_ids": segments.query_segment_ids, "key_segment_ids": segments.key_segment_ids})
         output = ATTENTION_FUNCTIONS[backend](
             query, key, value, key_padding_mask=key_padding_mask,
             causal=self.is_decoder and not self.is_cross_attention, q_offset=q_offset,
@@ -275,9 +307,11 @@ class FAT5LayerCrossAttention(nn.Module):
         self.layer_norm = FAT5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = nn.Dropout(config.dropout_rate)
 
-    def forward(self, hidden_states, encoder_hidden_states, encoder_key_padding_mask, past_key_values):
+    def forward(self, hidden_states, encoder_hidden_states, encoder_key_padding_mask, past_key_values,
+                position=None):
         attention = self.EncDecAttention(self.layer_norm(hidden_states), key_value_states=encoder_hidden_states,
-                                         key_padding_mask=encoder_key_padding_mask, past_key_values=past_key_values)
+                                         key_padding_mask=encoder_key_padding_mask, position=position,
+                                         past_key_values=past_key_values)
         return hidden_states + self.dropout(attention)
 
 
@@ -296,7 +330,7 @@ class FAT5Block(GradientCheckpointingLayer):
         hidden_states = self.layer[0](hidden_states, key_padding_mask, position, past_key_values)
         if self.is_decoder and encoder_hidden_states is not None:
             hidden_states = self.layer[1](hidden_states, encoder_hidden_states, encoder_key_padding_mask,
-                                          past_key_values)
+                                          past_key_values, position)
         return self.layer[-1](hidden_states)
 
 
@@ -326,8 +360,9 @@ class FAT5Stack(nn.Module):
     def set_input_embeddings(self, embed_tokens):
         self.__dict__["embed_tokens"] = embed_tokens
 
-    def _position_inputs(self, query_length, key_length, q_offset, device):
-        """Small per-forward position parameters shared by every layer (never an (L, L) T5 bias)."""
+    def _position_inputs(self, query_length, key_length, q_offset, device, positions=None):
+        """Small per-forward position parameters shared by every layer (never an (L, L) T5 bias). `positions`
+        (B, L): per-segment positions of a packed batch (T5 and ALiBi need none: see `attention_fat5`)."""
         config = self.config
         position = {"q_offset": q_offset}
         kind = config.position_encoding_type
@@ -337,15 +372,19 @@ class FAT5Stack(nn.Module):
         elif kind == "alibi":
             position["alibi_slopes"] = alibi_slopes(config.num_heads).to(device)
         elif kind == "fire" and first_attention is not None:
-            position["position_bias"] = first_attention.fire(query_length, key_length, q_offset, device)
+            position["position_bias"] = first_attention.fire(query_length, key_length, q_offset, device, positions)
         elif kind == "rope":
-            positions = torch.arange(query_length, device=device) + q_offset
-            position["rotary"] = rotary_cos_sin(positions, config.d_kv, config.rope_theta, device)
+            if positions is None:
+                position["rotary"] = rotary_cos_sin(torch.arange(query_length, device=device) + q_offset,
+                                                    config.d_kv, config.rope_theta, device)
+            else:
+                cos, sin = rotary_cos_sin(positions, config.d_kv, config.rope_theta, device)
+                position["rotary"] = cos[:, None], sin[:, None]  # (B, 1, L, D) against (B, H, L, D)
         return position
 
     def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 inputs_embeds=None, past_key_values=None, use_cache=None, output_hidden_states=None,
-                return_dict=True, **kwargs):
+                return_dict=True, segment_ids=None, encoder_segment_ids=None, **kwargs):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
@@ -362,7 +401,14 @@ class FAT5Stack(nn.Module):
         if encoder_hidden_states is not None:
             encoder_key_padding_mask = _key_mask(encoder_attention_mask, batch, encoder_hidden_states.shape[1],
                                                  "encoder_attention_mask")
-        position = self._position_inputs(length, key_length, q_offset, inputs_embeds.device)
+        packed = _packed_segments(segment_ids, attention_mask, encoder_segment_ids, encoder_attention_mask,
+                                  encoder_hidden_states, batch, length, q_offset, self.is_decoder)
+        positions = None
+        if packed:
+            key_padding_mask = encoder_key_padding_mask = None  # the segment ids carry the padding
+            positions = segment_positions(packed["segments"].query_segment_ids)
+        position = self._position_inputs(length, key_length, q_offset, inputs_embeds.device, positions)
+        position.update(packed)
 
         hidden_states = self.dropout(inputs_embeds)
         if hidden_states.dtype == torch.float16:
@@ -380,6 +426,43 @@ class FAT5Stack(nn.Module):
         return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states,
                                                          past_key_values=past_key_values,
                                                          hidden_states=all_hidden_states)
+
+
+def _checked_segment_ids(segment_ids, mask, batch, length, name):
+    """Segment ids with masked positions set to padding (0), checked for the layout packing needs."""
+    if tuple(segment_ids.shape) != (batch, length):
+        raise ValueError(f"{name} must have shape (batch, length) = {(batch, length)}, got {tuple(segment_ids.shape)}")
+    segment_ids = segment_ids.long()
+    if mask is not None:
+        segment_ids = segment_ids * mask.to(torch.bool)
+    previous, following = segment_ids[:, :-1], segment_ids[:, 1:]
+    if bool((segment_ids < 0).any() | ((following != 0) & ((following < previous) | (previous == 0))).any()):
+        raise ValueError(f"{name} must number each row's examples 1, 2, ... in order, each example's tokens "
+                         f"contiguous, padding (0, or attention mask 0) only at the end of the row")
+    return segment_ids
+
+
+def _packed_segments(segment_ids, attention_mask, encoder_segment_ids, encoder_attention_mask,
+                     encoder_hidden_states, batch, length, q_offset, is_decoder):
+    """{"segments": self-attention PackedSegments, "cross_segments": cross-attention's} for a packed batch,
+    {} otherwise."""
+    if segment_ids is None:
+        if encoder_segment_ids is not None:
+            raise ValueError("packed batches need decoder_segment_ids as well as segment_ids")
+        return {}
+    if q_offset:
+        raise ValueError("segment_ids (packed batches) are for training and scoring whole sequences, not for "
+                         "decoding step by step with a cache")
+    segment_ids = _checked_segment_ids(segment_ids, attention_mask, batch, length,
+                                       "decoder_segment_ids" if is_decoder else "segment_ids")
+    packed = {"segments": PackedSegments(segment_ids, segment_ids)}
+    if encoder_hidden_states is not None:
+        if encoder_segment_ids is None:
+            raise ValueError("packed batches need segment_ids as well as decoder_segment_ids")
+        encoder_segment_ids = _checked_segment_ids(encoder_segment_ids, encoder_attention_mask, batch,
+                                                   encoder_hidden_states.shape[1], "segment_ids")
+        packed["cross_segments"] = PackedSegments(segment_ids, encoder_segment_ids)
+    return packed
 
 
 def _key_mask(mask, batch, key_length, name):
@@ -421,11 +504,16 @@ class FAT5PreTrainedModel(PreTrainedModel):
             init.constant_(module.c, self.config.fire_init_c)
             init.constant_(module.threshold, self.config.fire_init_threshold)
 
-    def _shift_right(self, input_ids):
-        """Decoder inputs from labels: prepend decoder_start_token_id, turn -100 into pad."""
+    def _shift_right(self, input_ids, segment_ids=None):
+        """Decoder inputs from labels: prepend decoder_start_token_id, turn -100 into pad. With (B, L)
+        `segment_ids` (packed rows), every segment starts with decoder_start_token_id."""
         shifted = input_ids.new_zeros(input_ids.shape)
         shifted[..., 1:] = input_ids[..., :-1].clone()
         shifted[..., 0] = self.config.decoder_start_token_id
+        if segment_ids is not None:
+            starts = (segment_ids != F.pad(segment_ids[:, :-1], (1, 0))) & (segment_ids > 0)
+            shifted = shifted.masked_fill(starts, self.config.decoder_start_token_id)
+            shifted = shifted.masked_fill(segment_ids == 0, self.config.pad_token_id)
         return shifted.masked_fill(shifted == -100, self.config.pad_token_id)
 
 
@@ -453,10 +541,11 @@ class FAT5EncoderDecoderMixin:
 
     def _encode_and_decode(self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask,
                            encoder_outputs, past_key_values, inputs_embeds, decoder_inputs_embeds, use_cache,
-                           output_hidden_states):
+                           output_hidden_states, segment_ids=None, decoder_segment_ids=None):
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
-                                           inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
+                                           inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states,
+                                           segment_ids=segment_ids)
         elif not isinstance(encoder_outputs, BaseModelOutput):
             encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs[0])
         if use_cache is None:
@@ -465,7 +554,8 @@ class FAT5EncoderDecoderMixin:
                                        inputs_embeds=decoder_inputs_embeds, past_key_values=past_key_values,
                                        encoder_hidden_states=encoder_outputs.last_hidden_state,
                                        encoder_attention_mask=attention_mask, use_cache=use_cache,
-                                       output_hidden_states=output_hidden_states)
+                                       output_hidden_states=output_hidden_states, segment_ids=decoder_segment_ids,
+                                       encoder_segment_ids=segment_ids)
         return encoder_outputs, decoder_outputs
 
 
@@ -477,10 +567,11 @@ class FAT5Model(FAT5EncoderDecoderMixin, FAT5PreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, past_key_values=None, inputs_embeds=None, decoder_inputs_embeds=None,
-                use_cache=None, output_hidden_states=None, return_dict=None, **kwargs):
+                use_cache=None, output_hidden_states=None, return_dict=None, segment_ids=None,
+                decoder_segment_ids=None, **kwargs):
         encoder_outputs, decoder_outputs = self._encode_and_decode(
             input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, past_key_values,
-            inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states)
+            inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states, segment_ids, decoder_segment_ids)
         return Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
             past_key_values=decoder_outputs.past_key_values,
@@ -525,12 +616,17 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, past_key_values=None, inputs_embeds=None, decoder_inputs_embeds=None,
                 labels=None, use_cache=None, output_hidden_states=None, return_dict=None, num_items_in_batch=None,
-                **kwargs):
+                segment_ids=None, decoder_segment_ids=None, **kwargs):
+        """Packed batches (several examples per row, see `fat5.training.packing`) pass `segment_ids` (B, L_enc)
+        and `decoder_segment_ids` (B, L_dec): 1, 2, ... numbers a row's examples, 0 is padding. Each example then
+        attends only to itself (decoder segment s to encoder segment s), positions restart at every segment, and
+        the loss stays the mean over the batch's label tokens, i.e. the sum of every example's token losses over
+        the number of label tokens."""
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
-            decoder_input_ids = self._shift_right(labels)
+            decoder_input_ids = self._shift_right(labels, decoder_segment_ids)
         encoder_outputs, decoder_outputs = self._encode_and_decode(
             input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, past_key_values,
-            inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states)
+            inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states, segment_ids, decoder_segment_ids)
         sequence_output = decoder_outputs.last_hidden_state
         if self.config.scale_decoder_outputs:
             # T5 v1.0 ties the LM head to the input embedding and rescales before it.
@@ -572,9 +668,9 @@ class FAT5EncoderMixin:
     def get_encoder(self, *args, **kwargs):
         return self.encoder
 
-    def _encode(self, input_ids, attention_mask, inputs_embeds, output_hidden_states):
+    def _encode(self, input_ids, attention_mask, inputs_embeds, output_hidden_states, segment_ids=None):
         return self.encoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                            output_hidden_states=output_hidden_states)
+                            output_hidden_states=output_hidden_states, segment_ids=segment_ids)
 
 
 class FAT5EncoderModel(FAT5EncoderMixin, FAT5PreTrainedModel):
@@ -584,9 +680,16 @@ class FAT5EncoderModel(FAT5EncoderMixin, FAT5PreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, output_hidden_states=None,
-                return_dict=None, **kwargs):
-        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states)
+                return_dict=None, segment_ids=None, **kwargs):
+        """`segment_ids` (B, L): packed rows, 1, 2, ... per example and 0 for padding; examples do not see
+        each other and positions restart at each."""
+        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, segment_ids)
         return BaseModelOutput(last_hidden_state=outputs.last_hidden_state, hidden_states=outputs.hidden_states)
+
+
+def _reject_segment_ids(kwargs, class_name):
+    if kwargs.get("segment_ids") is not None:
+        raise ValueError(f"{class_name} takes one example per row: packed batches (segment_ids) are not supported")
 
 
 class FAT5ClassificationHead(nn.Module):
@@ -614,6 +717,7 @@ class FAT5ForSequenceClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
                 output_hidden_states=None, return_dict=None, **kwargs):
+        _reject_segment_ids(kwargs, "FAT5ForSequenceClassification")
         outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states)
         hidden = outputs.last_hidden_state
         if attention_mask is None:
@@ -642,8 +746,8 @@ class FAT5ForTokenClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
-                output_hidden_states=None, return_dict=None, **kwargs):
-        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states)
+                output_hidden_states=None, return_dict=None, segment_ids=None, **kwargs):
+        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, segment_ids)
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
@@ -663,6 +767,7 @@ class FAT5ForQuestionAnswering(FAT5EncoderMixin, FAT5PreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, start_positions=None,
                 end_positions=None, output_hidden_states=None, return_dict=None, **kwargs):
+        _reject_segment_ids(kwargs, "FAT5ForQuestionAnswering")
         outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states)
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).float().unbind(dim=-1)
         loss = None

@@ -100,6 +100,24 @@ class PaddingTracker:
         return fraction
 
 
+class PaddingFractionLoggingMixin:
+    """Mixin for `transformers.Trainer` (``class MyTrainer(PaddingFractionLoggingMixin, Trainer)``): every training
+    log gets `padding_fraction`, that of the batches trained on since the previous log (micro-batches of gradient
+    accumulation included). Counted in the training loop, so DataLoader workers do not hide it."""
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        if not hasattr(self, "padding_tracker"):
+            self.padding_tracker = PaddingTracker()
+        self.padding_tracker.update(inputs)
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def log(self, logs, *args, **kwargs):
+        tracker = getattr(self, "padding_tracker", None)
+        if "loss" in logs and tracker is not None and tracker.total_tokens:
+            logs["padding_fraction"] = round(tracker.pop(), 4)
+        super().log(logs, *args, **kwargs)
+
+
 def padding_fraction(batch):
     """Fraction of a batch's encoder plus decoder positions that are padding."""
     tracker = PaddingTracker()
@@ -263,5 +281,5 @@ def group_by_length(examples, max_tokens, window=1000, length=None, seed=0):
         yield from flush()
 
 
-__all__ = ["PackedSeq2SeqCollator", "PaddingTracker", "TokenBudgetBatchSampler", "group_by_length",
-           "pack_examples", "padding_fraction"]
+__all__ = ["PackedSeq2SeqCollator", "PaddingFractionLoggingMixin", "PaddingTracker", "TokenBudgetBatchSampler",
+           "group_by_length", "pack_examples", "padding_fraction"]

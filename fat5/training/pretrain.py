@@ -30,6 +30,7 @@ from .data import DenoisingDataset, Documents, PretrainError, add_missing_tokens
 from .denoising import MIXTURES, DenoisingMixture, sentinel_token_ids
 from .models import PRESETS, fit_embeddings, load_checkpoint, new_model
 from .optim import AdamWScale
+from .packing import PackedSeq2SeqCollator
 from .trainer import PretrainTrainer
 
 DEFAULT_LR = {"adamw_scale": 2e-2, "adamw": 1e-4}
@@ -101,9 +102,15 @@ def collator(args, model, tokenizer):
         raise PretrainError("this FAT5 version's forward has no segment_ids, so it cannot train on packed rows; "
                             "use --packing off")
     if args.packing == "off" or not supported:
-        return DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100, pad_to_multiple_of=8)
-    from .packing import PackedSeq2SeqCollator
+        pad = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100, pad_to_multiple_of=8)
 
+        def one_example_a_row(examples):
+            batch = pad(examples)
+            # T5 pads on the right, so this mask changes no output; it lets the logs count decoder padding.
+            batch["decoder_attention_mask"] = (batch["labels"] != -100).long()
+            return batch
+
+        return one_example_a_row
     return PackedSeq2SeqCollator(tokenizer.pad_token_id, model.config.decoder_start_token_id,
                                  args.max_input_length, args.max_target_length, pad_to_multiple_of=8)
 
@@ -143,7 +150,7 @@ def run(args, training_args):
     print(f"FAT5 with {model.num_parameters() / 1e6:.1f}M parameters, vocabulary {len(tokenizer)}; denoisers "
           + ", ".join(f"{d} {p:g} ({n} raw tokens)" for (d, p), n in zip(denoisers, mixture.raw_lengths)))
     data_collator = collator(args, model, tokenizer)
-    print("batches:", "one example a row" if isinstance(data_collator, DataCollatorForSeq2Seq) else "packed rows")
+    print("batches:", "packed rows" if isinstance(data_collator, PackedSeq2SeqCollator) else "one example a row")
     dataset = DenoisingDataset(documents, tokenizer, mixture, seed=training_args.data_seed or training_args.seed)
     trainer = PretrainTrainer(model=model, args=training_args, processing_class=tokenizer, train_dataset=dataset,
                               data_collator=data_collator,

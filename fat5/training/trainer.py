@@ -4,49 +4,28 @@ import time
 
 from transformers import Trainer
 
-
-class ThroughputMeter:
-    """Counts real and padded encoder + decoder positions of the batches seen since the last `pop`."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        self.real = self.total = 0
-        self.start = time.perf_counter()
-
-    def update(self, batch):
-        if batch.get("attention_mask") is not None:
-            self.real += int(batch["attention_mask"].sum())
-            self.total += batch["attention_mask"].numel()
-        if batch.get("labels") is not None:
-            self.real += int((batch["labels"] != -100).sum())
-            self.total += batch["labels"].numel()
-
-    def pop(self):
-        elapsed = time.perf_counter() - self.start
-        stats = {"tokens_per_second": round(self.real / elapsed, 1) if elapsed > 0 else 0.0,
-                 "padding_fraction": round(1.0 - self.real / self.total, 4) if self.total else 0.0}
-        self.reset()
-        return stats
+from .packing import PaddingFractionLoggingMixin
 
 
-class PretrainTrainer(Trainer):
-    """Adds `tokens_per_second` (real tokens of this process, encoder plus decoder) and `padding_fraction` to every
-    training log. Done here rather than in a TrainerCallback because callbacks never see the batches, and the
-    collator runs in DataLoader workers when there are any."""
+class PretrainTrainer(PaddingFractionLoggingMixin, Trainer):
+    """Adds `tokens_per_second` (real encoder plus decoder tokens of this process since the previous log) and
+    `padding_fraction` (from the mixin) to every training log. Counted in the training loop rather than in a
+    TrainerCallback, since callbacks never see the batches (and the collator may run in DataLoader workers)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.throughput = ThroughputMeter()
+        self.real_tokens = 0
+        self.since = time.perf_counter()
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if model.training:
-            self.throughput.update(inputs)
-        return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                    num_items_in_batch=num_items_in_batch)
+    def training_step(self, model, inputs, *args, **kwargs):
+        for name in ("attention_mask", "decoder_attention_mask"):
+            if inputs.get(name) is not None:
+                self.real_tokens += int(inputs[name].sum())
+        return super().training_step(model, inputs, *args, **kwargs)
 
     def log(self, logs, *args, **kwargs):
         if "loss" in logs:
-            logs.update(self.throughput.pop())
+            now = time.perf_counter()
+            logs["tokens_per_second"] = round(self.real_tokens / max(now - self.since, 1e-9), 1)
+            self.real_tokens, self.since = 0, now
         super().log(logs, *args, **kwargs)

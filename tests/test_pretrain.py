@@ -72,7 +72,7 @@ def scratch_run(tmp_path_factory):
     corpus = write_corpus(folder / "corpus.txt", 1500)
     (folder / "tiny.json").write_text(json.dumps(TINY))
     out = folder / "out"
-    process = run_pretrain("--config", folder / "tiny.json", "--train_files", corpus, "--tokenizer_vocab_size", 400,
+    process = run_pretrain("--config", folder / "tiny.json", "--train_files", corpus, "--tokenizer_vocab_size", 100,
                            "--learning_rate", 1e-2, *common_flags(out, 40))
     assert process.returncode == 0, process.stderr[-4000:]
     (folder / "stdout.txt").write_text(process.stdout)
@@ -136,7 +136,7 @@ def test_resume_continues_where_the_checkpoint_left(scratch_run, one_thread):
 def test_continued_pretraining_of_a_converted_checkpoint(tmp_path, one_thread, capsys):
     converted = tmp_path / "demo-fat5"
     assert convert_main([str(DEMO_CHECKPOINT), str(converted), "--no-verify"]) == 0
-    corpus = write_corpus(tmp_path / "corpus.jsonl", 0)
+    corpus = tmp_path / "corpus.jsonl"
     rng = random.Random(1)
     corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(["sort:", "reverse:", "pear", "apple", "fig"])
                                                            for _ in range(30))}) + "\n" for _ in range(200)))

@@ -99,10 +99,10 @@ def train_sentencepiece(documents, folder, vocab_size, max_documents):
     folder.mkdir(parents=True, exist_ok=True)
     sample = (text for _, text in zip(range(max_documents), documents))
     try:
-        # byte_fallback: characters outside the vocabulary become byte pieces (256 of them) instead of <unk>.
+        # No byte_fallback: transformers' fast T5 tokenizer does not implement it (as T5, rare characters -> <unk>).
         spm.SentencePieceTrainer.train(
             sentence_iterator=sample, model_prefix=str(folder / "spiece"), vocab_size=vocab_size,
-            model_type="unigram", character_coverage=0.9995, split_digits=True, byte_fallback=True, pad_id=0,
+            model_type="unigram", character_coverage=0.9995, split_digits=True, pad_id=0,
             eos_id=1, unk_id=2, bos_id=-1, pad_piece="<pad>", eos_piece="</s>", unk_piece="<unk>",
             hard_vocab_limit=False, minloglevel=2, num_threads=os.cpu_count() or 1)
     except RuntimeError as error:

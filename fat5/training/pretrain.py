@@ -36,8 +36,15 @@ from .trainer import PretrainTrainer
 DEFAULT_LR = {"adamw_scale": 2e-2, "adamw": 1e-4}
 
 
+USAGE = """python -m fat5.training.pretrain (--train_files FILE [FILE ...] | --dataset_name NAME)
+           (--config {small,base,large,CONFIG_JSON} | --model_name_or_path FAT5_FOLDER)
+           --output_dir DIR --max_steps N [pretraining options] [TrainingArguments options]"""
+
+
 @dataclass
 class PretrainArguments:
+    _argument_group_name = "pretraining options"
+
     train_files: list[str] = field(default=None, metadata={
         "help": "corpus files, folders (searched for .txt/.jsonl/.json) or globs; .txt: one document a line"})
     text_field: str = field(default="text", metadata={"help": "the text field of JSONL lines and dataset rows"})
@@ -71,9 +78,23 @@ class PretrainArguments:
         "help": "z-loss coefficient (default: 1e-4 for a new model, the checkpoint's when continuing)"})
 
 
+class TrainerOptions(TrainingArguments):
+    _argument_group_name = "TrainingArguments options (transformers; defaults changed here: lr_scheduler_type, " \
+                           "logging_steps, report_to, learning_rate)"
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the description's layout; shows defaults, except empty ones and those a help text already explains."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv):
-    parser = HfArgumentParser((PretrainArguments, TrainingArguments), prog="python -m fat5.training.pretrain",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = HfArgumentParser((PretrainArguments, TrainerOptions), usage=USAGE, description=__doc__,
+                              formatter_class=HelpFormatter)
     parser.set_defaults(lr_scheduler_type="cosine", logging_steps=10, report_to="none")
     args, training_args = parser.parse_args_into_dataclasses(args=argv)
     args.learning_rate_given = any(a.split("=")[0] in ("--learning_rate", "--learning-rate") for a in argv)

@@ -82,6 +82,8 @@ def scratch_run(tmp_path_factory):
 def test_from_scratch_loss_falls_and_logs_throughput(scratch_run):
     folder, out = scratch_run
     assert "batches: packed rows" in (folder / "stdout.txt").read_text()
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "fat5" and config["z_loss"] == 1e-4 and config["d_model"] == TINY["d_model"]
     history = log_history(out / "checkpoint-40")
     assert [entry["step"] for entry in history] == [5, 10, 15, 20, 25, 30, 35, 40]
     # From ~ln(vocab) + z-loss at the start to well below half of it in 40 steps.
@@ -171,6 +173,9 @@ def test_missing_corpus_and_no_max_steps(tmp_path, capsys):
     expect_error(["--train_files", tmp_path / "nope.txt", "--output_dir", tmp_path / "o", "--max_steps", 1],
                  "no corpus file", capsys)
     expect_error(["--train_files", tmp_path / "nope.txt", "--output_dir", tmp_path / "o"], "--max_steps", capsys)
+    # offline (tests never reach the Hub): a dataset name is a clear error, not a traceback
+    expect_error(["--dataset_name", "fat5-test/no-such-dataset", "--output_dir", tmp_path / "o", "--max_steps", 1],
+                 "cannot stream the dataset", capsys)
 
 
 def test_not_a_fat5_checkpoint(tmp_path, capsys):

@@ -61,7 +61,10 @@ class Documents:
         if dataset_name:
             import datasets
 
-            self.dataset = datasets.load_dataset(dataset_name, dataset_config, split=split, streaming=True)
+            try:
+                self.dataset = datasets.load_dataset(dataset_name, dataset_config, split=split, streaming=True)
+            except (OSError, ValueError) as error:  # offline, unknown name, config or split
+                raise PretrainError(f"cannot stream the dataset {dataset_name!r}: {error}") from None
         if not self.files and self.dataset is None:
             raise PretrainError("no corpus: pass --train_files or --dataset_name")
 

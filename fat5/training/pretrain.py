@@ -168,21 +168,29 @@ def run(args, training_args):
     if model is None:
         model = new_model(args.config, tokenizer, 1e-4 if args.z_loss is None else args.z_loss)
     fit_embeddings(model, tokenizer)
-    print(f"FAT5 with {model.num_parameters() / 1e6:.1f}M parameters, vocabulary {len(tokenizer)}; denoisers "
+    say = print if training_args.process_index == 0 else (lambda *_: None)
+    say(f"FAT5 with {model.num_parameters() / 1e6:.1f}M parameters, vocabulary {len(tokenizer)}; denoisers "
           + ", ".join(f"{d} {p:g} ({n} raw tokens)" for (d, p), n in zip(denoisers, mixture.raw_lengths)))
     data_collator = collator(args, model, tokenizer)
-    print("batches:", "packed rows" if isinstance(data_collator, PackedSeq2SeqCollator) else "one example a row")
+    say("batches:", "packed rows" if isinstance(data_collator, PackedSeq2SeqCollator) else "one example a row")
+    if training_args.accelerator_config.dispatch_batches is None:
+        # Packed batches differ in rows, which accelerate cannot split after the fact: every process reads the
+        # stream and collates its own share of the examples instead.
+        training_args.accelerator_config.dispatch_batches = False
     dataset = DenoisingDataset(documents, tokenizer, mixture, seed=training_args.data_seed or training_args.seed)
     trainer = PretrainTrainer(model=model, args=training_args, processing_class=tokenizer, train_dataset=dataset,
                               data_collator=data_collator,
                               optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(args, training_args))
     trainer.train(resume_from_checkpoint=True if resume == "latest" else resume)
     trainer.save_model(training_args.output_dir)
-    print(f"saved the model and tokenizer to {training_args.output_dir}")
+    say(f"saved the model and tokenizer to {training_args.output_dir}")
 
 
 def main(argv=None):
-    args, training_args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        args, training_args = parse_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as error:  # TrainingArguments' own checks, e.g. --bf16 without a GPU or --use_cpu
+        raise SystemExit(f"error: {str(error).strip().splitlines()[0]}") from None
     try:
         run(args, training_args)
     except PretrainError as error:

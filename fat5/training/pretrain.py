@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import AutoTokenizer, DataCollatorForSeq2Seq, HfArgumentParser, TrainingArguments
+from transformers import AutoTokenizer, DataCollatorForSeq2Seq, HfArgumentParser, TrainingArguments, set_seed
 
 from .data import DenoisingDataset, Documents, PretrainError, add_missing_tokens, train_sentencepiece
 from .denoising import MIXTURES, DenoisingMixture, sentinel_token_ids
@@ -158,7 +158,8 @@ def run(args, training_args):
     denoisers = MIXTURES[args.mixture]
     prefixes = sorted({denoiser.prefix for denoiser, _ in denoisers if denoiser.prefix})
     model = load_checkpoint(args.model_name_or_path, args.z_loss) if args.model_name_or_path else None
-    tokenizer = tokenizer_for(args, training_args, documents, prefixes, model)
+    with training_args.main_process_first(desc="tokenizer"):  # one process trains it, the others load it
+        tokenizer = tokenizer_for(args, training_args, documents, prefixes, model)
     try:
         mixture = DenoisingMixture(denoisers, sentinel_token_ids(tokenizer),
                                    tokenizer.eos_token_id, args.max_input_length, args.max_target_length,
@@ -166,6 +167,7 @@ def run(args, training_args):
     except ValueError as error:
         raise PretrainError(error) from None
     if model is None:
+        set_seed(training_args.seed)  # a reproducible initialisation
         model = new_model(args.config, tokenizer, 1e-4 if args.z_loss is None else args.z_loss)
     fit_embeddings(model, tokenizer)
     say = print if training_args.process_index == 0 else (lambda *_: None)

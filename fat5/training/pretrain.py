@@ -117,21 +117,23 @@ def tokenizer_for(args, training_args, documents, prefixes, model):
     return tokenizer
 
 
+class OneExampleARow(DataCollatorForSeq2Seq):
+    """Padded batches plus a decoder mask. T5 pads on the right, so the mask changes no output; it lets the logs
+    count decoder padding."""
+
+    def __call__(self, examples, return_tensors=None):
+        batch = super().__call__(examples, return_tensors)
+        batch["decoder_attention_mask"] = (batch["labels"] != -100).long()
+        return batch
+
+
 def collator(args, model, tokenizer):
     supported = "segment_ids" in inspect.signature(model.forward).parameters
     if args.packing == "on" and not supported:
         raise PretrainError("this FAT5 version's forward has no segment_ids, so it cannot train on packed rows; "
                             "use --packing off")
     if args.packing == "off" or not supported:
-        pad = DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=-100, pad_to_multiple_of=8)
-
-        def one_example_a_row(examples):
-            batch = pad(examples)
-            # T5 pads on the right, so this mask changes no output; it lets the logs count decoder padding.
-            batch["decoder_attention_mask"] = (batch["labels"] != -100).long()
-            return batch
-
-        return one_example_a_row
+        return OneExampleARow(tokenizer, model=model, label_pad_token_id=-100, pad_to_multiple_of=8)
     return PackedSeq2SeqCollator(tokenizer.pad_token_id, model.config.decoder_start_token_id,
                                  args.max_input_length, args.max_target_length, pad_to_multiple_of=8)
 
@@ -174,7 +176,7 @@ def run(args, training_args):
     say(f"FAT5 with {model.num_parameters() / 1e6:.1f}M parameters, vocabulary {len(tokenizer)}; denoisers "
           + ", ".join(f"{d} {p:g} ({n} raw tokens)" for (d, p), n in zip(denoisers, mixture.raw_lengths)))
     data_collator = collator(args, model, tokenizer)
-    say("batches:", "packed rows" if isinstance(data_collator, PackedSeq2SeqCollator) else "one example a row")
+    say("batches:", "one example a row" if isinstance(data_collator, OneExampleARow) else "packed rows")
     if training_args.accelerator_config.dispatch_batches is None:
         # Packed batches differ in rows, which accelerate cannot split after the fact: every process reads the
         # stream and collates its own share of the examples instead.

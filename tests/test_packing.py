@@ -50,6 +50,7 @@ def tiny_model(backend, position, model_class=FAT5ForConditionalGeneration):
     config = FAT5Config(vocab_size=101, d_model=32 * heads, d_kv=32, d_ff=48, num_layers=2, num_decoder_layers=2,
                         num_heads=heads, relative_attention_num_buckets=8, relative_attention_max_distance=20,
                         dropout_rate=0.0, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                        return_logits_in_training=True,  # the tests compare logits in train mode
                         attention_backend=backend, pad_token_id=PAD, decoder_start_token_id=START,
                         **POSITIONS[position])
     torch.manual_seed(0)

@@ -5,7 +5,9 @@ are still being imported.
 """
 
 import argparse
+import signal
 import sys
+import threading
 
 
 class UserError(Exception):
@@ -32,16 +34,33 @@ def run(convert, parser, argv=None):
     """Parse `argv` and call convert(args, progress); turn UserError/OSError into one line and exit status 1,
     and Ctrl-C (imports included) into one line saying what OUT holds, exit status 130."""
     progress = Progress()
+    interrupted = []
+
+    def on_interrupt(number, frame):
+        interrupted.append(number)
+        raise KeyboardInterrupt
+
+    # Some libraries turn an interruption during their imports into another error: remember the signal itself.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, on_interrupt) if in_main_thread else None
     try:
         args = parser.parse_args(argv)
         convert(args, progress)
     except KeyboardInterrupt:
         print(f"interrupted: {progress.describe()}", file=sys.stderr)
         return 130
-    except (UserError, OSError) as error:
+    except Exception as error:
+        if interrupted:
+            print(f"interrupted: {progress.describe()}", file=sys.stderr)
+            return 130
+        if not isinstance(error, (UserError, OSError)):
+            raise
         text = str(error).strip()
         print(f"error: {text.splitlines()[0] if text else type(error).__name__}", file=sys.stderr)
         return 1
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGINT, previous)
     return 0
 
 
@@ -52,7 +71,5 @@ def exit_with(main):
     except KeyboardInterrupt:  # raised between main's own handler and here
         print("interrupted", file=sys.stderr)
         code = 130
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(code)

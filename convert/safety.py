@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -94,13 +95,21 @@ def _exchange(first, second):
 
 @contextmanager
 def signals_deferred():
-    """Hold SIGINT/SIGTERM during a few syscalls that must complete together; they are delivered after."""
-    blocked = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    """Hold Ctrl-C (SIGINT) and SIGTERM during a few steps that must complete together; a signal that arrives
+    meanwhile is re-raised right after. (Python handlers run in the main thread, where the converters run.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = {number: signal.signal(number, lambda number, frame: received.append(number))
+                for number in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        for number in received[:1]:
+            signal.raise_signal(number)
 
 
 class AtomicOutput:

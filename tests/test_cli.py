@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 import convert.export
 from convert.checkpoint import convert_checkpoint
 from convert.flan_to_fat5 import main
+from convert.safety import STAGING_MARK
 from t5_checkpoints import make_t5_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,7 +26,7 @@ def run_cli(*args, cwd=REPO, env=None):
 
 
 def leftovers(parent):
-    return [path.name for path in parent.iterdir() if ".partial-" in path.name or ".old-" in path.name]
+    return [path.name for path in parent.iterdir() if STAGING_MARK in path.name]
 
 
 @pytest.fixture(scope="module")

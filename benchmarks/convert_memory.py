@@ -27,10 +27,24 @@ MEASURE = ("import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]
            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024); sys.exit(code)")
 
 
+def init_std(name, config):
+    """T5's initialisation scales (as transformers' T5 uses), so the random model's logits stay well conditioned
+    and the parity check compares like with like."""
+    if name == "shared.weight":
+        return 1.0
+    if name.endswith(".q.weight"):
+        return (config.d_model * config.d_kv) ** -0.5
+    if name.endswith(".o.weight"):
+        return (config.num_heads * config.d_kv) ** -0.5
+    if name.endswith("wo.weight"):
+        return config.d_ff**-0.5
+    return config.d_model**-0.5
+
+
 def build_checkpoint(folder, target_bytes, shard_bytes):
     """A random T5 checkpoint of about `target_bytes` (fp32), in shards of at most `shard_bytes`."""
     d_model, d_ff, vocab = 1024, 2816, 32128
-    per_layer = 4 * (4 * d_model * d_model + 3 * d_model * d_ff)  # an encoder and a decoder block, fp32
+    per_layer = 4 * (12 * d_model * d_model + 6 * d_model * d_ff)  # an encoder and a decoder block, fp32
     layers = max(1, round((target_bytes - 2 * 4 * vocab * d_model) / per_layer))
     config = transformers.T5Config(vocab_size=vocab, d_model=d_model, d_kv=64, d_ff=d_ff, num_layers=layers,
                                    num_heads=16, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
@@ -43,7 +57,8 @@ def build_checkpoint(folder, target_bytes, shard_bytes):
     shards, current, size = [], {}, 0
     generator = torch.Generator().manual_seed(0)
     for name, shape in names.items():
-        tensor = (torch.randn(shape, generator=generator) * 0.05) if len(shape) > 1 else torch.ones(shape)
+        tensor = torch.randn(shape, generator=generator) * init_std(name, config) if len(shape) > 1 \
+            else torch.ones(shape)
         if current and size + tensor.numel() * 4 > shard_bytes:
             shards.append(current)
             current, size = {}, 0

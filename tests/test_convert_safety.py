@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -20,7 +21,7 @@ from convert.checkpoint import plan_conversion, iter_converted_tensors
 from convert.flan_to_fat5 import main
 from t5_checkpoints import make_t5_checkpoint
 
-REPO = convert.safety.Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def test_interrupt_before_the_swap_keeps_the_old_folder(flan, tmp_path, capsys):
     with mock.patch.object(convert.export, "verify_parity", side_effect=KeyboardInterrupt):
         assert run_main(capsys, [str(flan), str(out), "--overwrite"]) == 130
     assert one_error_line(capsys) == f"interrupted: {out} is unchanged (the old folder is intact)"
-    assert snapshot(out) == {convert.safety.Path("old.txt"): b"old"}
+    assert snapshot(out) == {Path("old.txt"): b"old"}
     assert staging_leftovers(tmp_path) == []
 
 

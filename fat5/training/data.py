@@ -59,8 +59,10 @@ class Documents:
         self.text_field = text_field
         self.dataset = None
         if dataset_name:
-            import datasets
-
+            try:
+                import datasets
+            except ImportError:
+                raise PretrainError("--dataset_name needs the datasets library: pip install 'fat5[pretrain]'") from None
             try:
                 self.dataset = datasets.load_dataset(dataset_name, dataset_config, split=split, streaming=True)
             except (OSError, ValueError) as error:  # offline, unknown name, config or split

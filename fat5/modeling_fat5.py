@@ -235,8 +235,7 @@ class FAT5Attention(nn.Module):
                 key, value = past_key_values.self_attention_cache.update(key, value, self.layer_idx)
             q_offset = position.get("q_offset", 0)
             bias_kwargs = {name: position[name] for name in ("alibi_slopes", "position_bias") if name in position}
-            table = self.relative_attention_bias.weight if hasattr(self, "relative_attention_bias") else \
-                position.get("bias_table")
+            table = position.get("bias_table")
             if table is not None:
                 bias_kwargs.update(bias_table=table, bidirectional=not self.is_decoder,
                                    num_buckets=self.config.relative_attention_num_buckets,
@@ -293,11 +292,23 @@ class FAT5Block(GradientCheckpointingLayer):
 
     def forward(self, hidden_states, key_padding_mask=None, encoder_hidden_states=None,
                 encoder_key_padding_mask=None, position=None, past_key_values=None):
+        attention = self.layer[0].SelfAttention
+        table = None
+        if hasattr(attention, "relative_attention_bias"):
+            # Read through the embedding's forward, not `.weight`, so ZeRO-3 gathers it while this block runs.
+            buckets = torch.arange(attention.config.relative_attention_num_buckets, device=hidden_states.device)
+            table = attention.relative_attention_bias(buckets)
+            position = {**(position or {}), "bias_table": table}
         hidden_states = self.layer[0](hidden_states, key_padding_mask, position, past_key_values)
         if self.is_decoder and encoder_hidden_states is not None:
             hidden_states = self.layer[1](hidden_states, encoder_hidden_states, encoder_key_padding_mask,
                                           past_key_values)
-        return self.layer[-1](hidden_states)
+        hidden_states = self.layer[-1](hidden_states)
+        if table is not None and not attention.config.relative_bias_per_layer:
+            # This table serves every layer of the stack. It leaves the block as an output, so sharding engines
+            # (FSDP per block, ZeRO-3) route the later layers' gradient back through this block.
+            return hidden_states, table
+        return hidden_states
 
 
 class FAT5Stack(nn.Module):
@@ -332,9 +343,7 @@ class FAT5Stack(nn.Module):
         position = {"q_offset": q_offset}
         kind = config.position_encoding_type
         first_attention = self.block[0].layer[0].SelfAttention if len(self.block) else None
-        if kind == "t5" and first_attention is not None:
-            position["bias_table"] = first_attention.relative_attention_bias.weight
-        elif kind == "alibi":
+        if kind == "alibi":
             position["alibi_slopes"] = alibi_slopes(config.num_heads).to(device)
         elif kind == "fire" and first_attention is not None:
             position["position_bias"] = first_attention.fire(query_length, key_length, q_offset, device)
@@ -374,6 +383,9 @@ class FAT5Stack(nn.Module):
                 all_hidden_states += (hidden_states,)
             hidden_states = block(hidden_states, key_padding_mask, encoder_hidden_states, encoder_key_padding_mask,
                                   position, past_key_values)
+            if isinstance(hidden_states, tuple):
+                hidden_states, bias_table = hidden_states
+                position = {**position, "bias_table": bias_table}
         hidden_states = self.dropout(self.final_layer_norm(hidden_states))
         if output_hidden_states:
             all_hidden_states += (hidden_states,)

@@ -13,20 +13,9 @@ from transformers import GenerationConfig
 
 import fat5
 from convert.checkpoint import SAFETENSORS_DTYPES, iter_converted_tensors, load_source_model
-from convert.hub import custom_pipelines_entry, render_model_card
+from convert.hub import render_model_card
+from fat5.remote_code_fat5 import mark_as_package, write_remote_code
 
-PACKAGE_DIR = Path(fat5.__file__).parent
-# Remote code, flattened: transformers resolves only same-folder relative imports in a checkpoint.
-REMOTE_CODE_FILES = {
-    "configuration_fat5.py": PACKAGE_DIR / "configuration_fat5.py",
-    "modeling_fat5.py": PACKAGE_DIR / "modeling_fat5.py",
-    "attention_fat5.py": PACKAGE_DIR / "attention_fat5.py",
-    "pipeline_fat5.py": PACKAGE_DIR / "pipeline_fat5.py",
-    "flash_attention_t5.py": PACKAGE_DIR / "kernels" / "flash_attention_t5.py",
-}
-# In the package, kernels live in fat5/kernels/; in the flat folder they sit beside the model.
-NESTED_IMPORT = re.compile(r"^(\s*from\s+)(?:\.kernels\.|\.\.)(\w+\s+import\b)", re.MULTILINE)
-RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\S+)\s+import", re.MULTILINE)
 TOKENIZER_FILES = ("spiece.model", "sentencepiece.bpe.model", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json")
 SAFETENSORS_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
@@ -107,23 +96,10 @@ def write_safetensors_streaming(plan, folder, dtype, max_shard_size):
     return names
 
 
-def write_remote_code(folder):
-    """Copy FAT5's code flat into `folder` and check every relative import resolves inside it."""
-    for flat_name, source in REMOTE_CODE_FILES.items():
-        (folder / flat_name).write_text(NESTED_IMPORT.sub(r"\1.\2", source.read_text()))
-    for flat_name in REMOTE_CODE_FILES:
-        for module in RELATIVE_IMPORT.findall((folder / flat_name).read_text()):
-            if not (folder / f"{module}.py").is_file():
-                raise ExportError(f"{flat_name} imports .{module}, which is not in the exported folder")
-
-
 def export_config(plan, folder, dtype, attention_backend):
     config = plan.config
     config.attention_backend = attention_backend
-    config.auto_map = {"AutoConfig": "configuration_fat5.FAT5Config"}
-    config.auto_map.update({auto.__name__: f"modeling_fat5.{model.__name__}"
-                            for auto, model in fat5.AUTO_CLASSES.items()})
-    config.custom_pipelines = custom_pipelines_entry()
+    mark_as_package(config)
     stored = dtype or next(iter_converted_tensors_dtype(plan))
     config.dtype = stored
     config.save_pretrained(folder)

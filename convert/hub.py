@@ -12,8 +12,9 @@ import huggingface_hub
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 
+from fat5.remote_code_fat5 import PIPELINE_TASK, custom_pipelines_entry  # noqa: F401  (re-exported)
+
 MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "fat5_model_card.md"
-PIPELINE_TASK = "text2text-generation"
 
 # Base errors of the HTTP clients huggingface_hub has used: httpx2 (2.x, connection errors are
 # httpx2.ConnectError), httpx (1.x), requests (0.x). Only the installed ones are caught.
@@ -26,23 +27,6 @@ _CLIENT_ERRORS = tuple(
 
 class PushError(Exception):
     """An upload to the Hub failed; the message is one line saying why."""
-
-
-def custom_pipelines_entry():
-    """The `custom_pipelines` value of config.json that makes `pipeline(..., trust_remote_code=True)` load
-    `pipeline_fat5.py` from the checkpoint folder.
-
-    The keys are what `PIPELINE_REGISTRY.register_pipeline` + `Pipeline.save_pretrained` write on transformers
-    4.57 (5.x writes the same without "tf", and ignores it when reading).
-    """
-    return {
-        PIPELINE_TASK: {
-            "impl": "pipeline_fat5.FAT5Text2TextGenerationPipeline",
-            "pt": ["AutoModelForSeq2SeqLM"],
-            "tf": [],
-            "type": "text",
-        }
-    }
 
 
 def _human_count(num_parameters):

@@ -87,8 +87,9 @@ def visibility_mask(query_length, key_length, *, key_padding_mask=None, causal=F
 
 def eager_attention(query, key, value, *, bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
                     alibi_slopes=None, position_bias=None, key_padding_mask=None, causal=False, q_offset=0,
-                    scale=1.0, dropout_p=0.0):
-    """Plain-torch reference: materialises scores and bias; exact in any dtype (fp64 in kernel tests)."""
+                    scale=1.0, dropout_p=0.0, return_weights=False):
+    """Plain-torch reference: materialises scores and bias; exact in any dtype (fp64 in kernel tests).
+    With return_weights, also returns the attention probabilities (B, H, Lq, Lk) (output_attentions)."""
     query_length, key_length = query.shape[-2], key.shape[-2]
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
     bias = dense_bias(query_length, key_length, bias_table=bias_table, bidirectional=bidirectional,
@@ -106,7 +107,8 @@ def eager_attention(query, key, value, *, bias_table=None, bidirectional=True, n
     if visible is not None:
         probs = probs * visible.any(dim=-1, keepdim=True)
     probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
-    return torch.matmul(probs, value)
+    output = torch.matmul(probs, value)
+    return (output, probs) if return_weights else output
 
 
 def sdpa_attention(query, key, value, *, bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
@@ -117,8 +119,9 @@ def sdpa_attention(query, key, value, *, bias_table=None, bidirectional=True, nu
     bias = dense_bias(query_length, key_length, bias_table=bias_table, bidirectional=bidirectional,
                       num_buckets=num_buckets, max_distance=max_distance, alibi_slopes=alibi_slopes,
                       position_bias=position_bias, q_offset=q_offset, device=query.device)
-    use_is_causal = causal and bias is None and key_padding_mask is None and q_offset == 0 \
-        and query_length == key_length
+    # q_offset is a tensor when it comes from a static cache: no is_causal shortcut then.
+    use_is_causal = causal and bias is None and key_padding_mask is None and isinstance(q_offset, int) \
+        and q_offset == 0 and query_length == key_length
     visible = None if use_is_causal else visibility_mask(
         query_length, key_length, key_padding_mask=key_padding_mask, causal=causal, q_offset=q_offset,
         device=query.device)

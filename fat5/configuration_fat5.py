@@ -1,5 +1,7 @@
 """FAT5 configuration: T5's fields, plus the position encoding and attention backend choices."""
 
+import copy
+
 from transformers import PretrainedConfig
 
 POSITION_ENCODING_TYPES = ("t5", "rope", "alibi", "fire", "none")
@@ -121,6 +123,22 @@ class FAT5Config(PretrainedConfig):
         # transformers 4.x reads the tie flag from the config object, 5.x from the init kwarg; set both.
         self.tie_word_embeddings = tie_word_embeddings
         self._validate_fat5()
+
+    def __setattr__(self, key, value):
+        # Checked on every assignment, so `from_pretrained(..., attention_backend=...)` (which sets attributes
+        # after __init__) fails at load time rather than at the first forward.
+        if key == "attention_backend" and value not in ATTENTION_BACKENDS:
+            raise ValueError(f"FAT5Config.attention_backend: {value!r} is not one of {ATTENTION_BACKENDS}")
+        super().__setattr__(key, value)
+
+    def get_text_config(self, decoder=None, encoder=None):
+        """transformers sizes generation caches from `get_text_config(decoder=True).num_hidden_layers`, which is
+        the encoder's depth here (as in T5): report the decoder's, so a decoder deeper than its encoder generates."""
+        text_config = super().get_text_config(decoder=decoder, encoder=encoder)
+        if decoder and not encoder and text_config.num_layers != self.num_decoder_layers:
+            text_config = copy.deepcopy(text_config) if text_config is self else text_config
+            text_config.num_layers = self.num_decoder_layers
+        return text_config
 
     @property
     def is_gated_act(self):

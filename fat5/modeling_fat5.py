@@ -5,8 +5,10 @@ Parameter names are transformers' T5 names (`shared`, `q,k,v,o`, `wi`/`wi_0`/`wi
 goes through one seam (`attention_fat5`): layers hand q, k, v and the small position parameters to a backend.
 """
 
+import contextlib
 import functools
 import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +29,7 @@ from transformers.modeling_outputs import (
 
 from .attention_fat5 import alibi_slopes, eager_attention, relative_positions, sdpa_attention
 from .configuration_fat5 import FAT5Config
+from .remote_code_fat5 import mark_as_package, save_as_package
 
 try:
     from transformers import initialization as init  # transformers 5: skips tensors loaded from a checkpoint
@@ -59,6 +62,10 @@ def select_attention_backend(config, query, needs_dense_bias, dropout_p):
             "attention_backend='triton' has no attention dropout and no FIRE bias: set "
             "config.attention_dropout_rate=0.0 (or call model.eval()), or use attention_backend='sdpa'"
         )
+    if backend == "triton" and query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"attention_backend='triton' runs the Triton kernel, which needs CUDA tensors; got a {query.device.type} "
+            "tensor. Use attention_backend='auto' (the kernel on CUDA, SDPA elsewhere) or 'sdpa'")
     if backend != "auto":
         return backend
     if getattr(config, "_attn_implementation", None) == "eager":
@@ -67,6 +74,15 @@ def select_attention_backend(config, query, needs_dense_bias, dropout_p):
             and triton_installed()):
         return "triton"
     return "sdpa"
+
+
+def _backend_with_weights(config):
+    if config.attention_backend not in ("auto", "eager"):
+        raise ValueError(
+            f"output_attentions=True needs the eager attention backend, the only one that materialises attention "
+            f"weights; this model uses attention_backend={config.attention_backend!r}. Call "
+            "model.set_attn_implementation('eager') (or load with attn_implementation='eager') first")
+    return "eager"
 
 
 def t5_linear(in_features, out_features, init_std, bias=False):
@@ -232,7 +248,9 @@ class FAT5Attention(nn.Module):
                 cos, sin = position["rotary"]
                 query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
             if past_key_values is not None:
-                key, value = past_key_values.self_attention_cache.update(key, value, self.layer_idx)
+                # cache_position tells transformers 4.x's static cache where to write (5.x counts itself).
+                key, value = past_key_values.self_attention_cache.update(
+                    key, value, self.layer_idx, cache_kwargs={"cache_position": position["cache_position"]})
             q_offset = position.get("q_offset", 0)
             bias_kwargs = {name: position[name] for name in ("alibi_slopes", "position_bias") if name in position}
             table = position.get("bias_table")
@@ -244,10 +262,18 @@ class FAT5Attention(nn.Module):
         dropout_p = self.config.attention_dropout_rate if self.training else 0.0
         backend = select_attention_backend(self.config, query, "position_bias" in bias_kwargs, dropout_p)
         extra = {} if backend == "triton" else {"dropout_p": dropout_p}
+        weights_sink = position.get("attention_weights")
+        if weights_sink is not None:
+            # output_attentions: only the eager reference materialises the probabilities.
+            backend = _backend_with_weights(self.config)
+            extra["return_weights"] = True
         output = ATTENTION_FUNCTIONS[backend](
             query, key, value, key_padding_mask=key_padding_mask,
             causal=self.is_decoder and not self.is_cross_attention, q_offset=q_offset,
             scale=self.config.attention_scale, **bias_kwargs, **extra)
+        if weights_sink is not None:
+            output, weights = output
+            weights_sink.append(weights)
         batch, _, length, _ = output.shape
         return self.o(output.transpose(1, 2).reshape(batch, length, self.inner_dim))
 
@@ -274,9 +300,11 @@ class FAT5LayerCrossAttention(nn.Module):
         self.layer_norm = FAT5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = nn.Dropout(config.dropout_rate)
 
-    def forward(self, hidden_states, encoder_hidden_states, encoder_key_padding_mask, past_key_values):
+    def forward(self, hidden_states, encoder_hidden_states, encoder_key_padding_mask, past_key_values,
+                position=None):
         attention = self.EncDecAttention(self.layer_norm(hidden_states), key_value_states=encoder_hidden_states,
-                                         key_padding_mask=encoder_key_padding_mask, past_key_values=past_key_values)
+                                         key_padding_mask=encoder_key_padding_mask, past_key_values=past_key_values,
+                                         position=position)
         return hidden_states + self.dropout(attention)
 
 
@@ -302,7 +330,7 @@ class FAT5Block(GradientCheckpointingLayer):
         hidden_states = self.layer[0](hidden_states, key_padding_mask, position, past_key_values)
         if self.is_decoder and encoder_hidden_states is not None:
             hidden_states = self.layer[1](hidden_states, encoder_hidden_states, encoder_key_padding_mask,
-                                          past_key_values)
+                                          past_key_values, position)
         hidden_states = self.layer[-1](hidden_states)
         if table is not None and not attention.config.relative_bias_per_layer:
             # This table serves every layer of the stack. It leaves the block as an output, so sharding engines
@@ -340,7 +368,8 @@ class FAT5Stack(nn.Module):
     def _position_inputs(self, query_length, key_length, q_offset, device):
         """Small per-forward position parameters shared by every layer (never an (L, L) T5 bias)."""
         config = self.config
-        position = {"q_offset": q_offset}
+        position = {"q_offset": q_offset,
+                    "cache_position": torch.arange(query_length, device=device) + q_offset}
         kind = config.position_encoding_type
         first_attention = self.block[0].layer[0].SelfAttention if len(self.block) else None
         if kind == "alibi":
@@ -354,8 +383,12 @@ class FAT5Stack(nn.Module):
 
     def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 inputs_embeds=None, past_key_values=None, use_cache=None, output_hidden_states=None,
-                return_dict=True, **kwargs):
+                output_attentions=None, return_dict=True, **kwargs):
         if (input_ids is None) == (inputs_embeds is None):
+            if self.is_decoder:
+                raise ValueError("You have to specify either decoder_input_ids or decoder_inputs_embeds (or labels, "
+                                 "from which FAT5ForConditionalGeneration makes them); for encoder features alone, "
+                                 "use FAT5EncoderModel or model.get_encoder()")
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -365,7 +398,16 @@ class FAT5Stack(nn.Module):
         elif use_cache and past_key_values is None:
             past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
         q_offset = past_key_values.get_seq_length() if past_key_values is not None else 0
-        key_length = q_offset + length
+        if isinstance(q_offset, torch.Tensor):
+            # A static cache's own counter, which its update() advances in place during this forward.
+            q_offset = q_offset.clone()
+        static_length = _static_cache_length(past_key_values)
+        key_length = q_offset + length if static_length is None else static_length
+        if attention_mask is not None and attention_mask.dim() == 4 and self.is_decoder:
+            attention_mask = _key_mask_from_causal_mask(attention_mask)
+        if static_length is not None and attention_mask is not None and attention_mask.shape[-1] < static_length:
+            # A static cache returns all its slots; the ones not yet written are future keys, hidden by causality.
+            attention_mask = F.pad(attention_mask, (0, static_length - attention_mask.shape[-1]), value=1)
         key_padding_mask = _key_mask(attention_mask, batch, key_length, "attention_mask")
         encoder_key_padding_mask = None
         if encoder_hidden_states is not None:
@@ -378,20 +420,49 @@ class FAT5Stack(nn.Module):
             # fp16 overflows in T5's residual stream (FFN outputs reach 1e5): carry the residual in fp32.
             hidden_states = hidden_states.float()
         all_hidden_states = () if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        all_cross_attentions = () if output_attentions and encoder_hidden_states is not None else None
         for block in self.block:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
+            if output_attentions:
+                position["attention_weights"] = []  # each attention of the block appends its weights
             hidden_states = block(hidden_states, key_padding_mask, encoder_hidden_states, encoder_key_padding_mask,
                                   position, past_key_values)
             if isinstance(hidden_states, tuple):
                 hidden_states, bias_table = hidden_states
                 position = {**position, "bias_table": bias_table}
+            if output_attentions:
+                all_attentions += (position["attention_weights"][0],)
+                if all_cross_attentions is not None:
+                    all_cross_attentions += (position["attention_weights"][1],)
         hidden_states = self.dropout(self.final_layer_norm(hidden_states))
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states,
-                                                         past_key_values=past_key_values,
-                                                         hidden_states=all_hidden_states)
+        output = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states,
+                                                           past_key_values=past_key_values,
+                                                           hidden_states=all_hidden_states,
+                                                           attentions=all_attentions,
+                                                           cross_attentions=all_cross_attentions)
+        return output if return_dict is not False else output.to_tuple()
+
+
+def _static_cache_length(past_key_values):
+    """Length of the keys a static (compileable) self-attention cache returns (all its slots), else None."""
+    cache = getattr(past_key_values, "self_attention_cache", None)
+    if cache is None or not getattr(cache, "is_compileable", False):
+        return None
+    # transformers 5 names it get_max_length, 4.x get_max_cache_shape.
+    max_length = getattr(cache, "get_max_length", None) or cache.get_max_cache_shape
+    return max_length()
+
+
+def _key_mask_from_causal_mask(mask):
+    """(B, Lk) key mask from a causal (B, 1, Lq, Lk) mask as transformers builds them (bool: True = attend, or
+    additive: 0 = attend). The last query row sees every key up to it, so it holds the keys' padding; causality
+    itself is applied by the attention."""
+    last_row = mask[:, 0, -1, :]
+    return last_row if last_row.dtype == torch.bool else last_row == 0
 
 
 def _key_mask(mask, batch, key_length, name):
@@ -402,6 +473,22 @@ def _key_mask(mask, batch, key_length, name):
         raise ValueError(f"{name} must have shape (batch, key_length) = {(batch, key_length)}, "
                          f"got {tuple(mask.shape)}")
     return mask.to(torch.bool)
+
+
+@contextlib.contextmanager
+def _no_transformers_code_copy(model_class):
+    """transformers copies a registered class's module and its relative imports by their package paths, which
+    breaks on fat5/kernels/ ("kernels.flash_attention_t5.py" not found); FAT5 writes its own code instead."""
+    own = "_auto_class" in vars(model_class)
+    previous = model_class._auto_class
+    model_class._auto_class = None
+    try:
+        yield
+    finally:
+        if own:
+            model_class._auto_class = previous
+        else:
+            del model_class._auto_class
 
 
 class FAT5PreTrainedModel(PreTrainedModel):
@@ -432,6 +519,47 @@ class FAT5PreTrainedModel(PreTrainedModel):
         elif isinstance(module, FAT5FIREBias):
             init.constant_(module.c, self.config.fire_init_c)
             init.constant_(module.threshold, self.config.fire_init_threshold)
+
+    def save_pretrained(self, save_directory, *args, is_main_process=True, push_to_hub=False, **kwargs):
+        """transformers' save_pretrained, always giving a complete FAT5 package (code flat beside the config,
+        `auto_map`, the text2text pipeline), whether the model was loaded from a folder or built here; written
+        to a staging folder first, so an error leaves `save_directory` as it was."""
+        if not is_main_process or os.path.isfile(save_directory):
+            return super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        hub_kwargs = {name: kwargs.pop(name) for name in ("repo_id", "commit_message", "commit_description",
+                                                          "private", "token", "revision", "create_pr")
+                      if name in kwargs}
+        mark_as_package(self.config)
+        parent_save = super().save_pretrained
+        with _no_transformers_code_copy(type(self)):
+            save_as_package(lambda staging: parent_save(staging, *args, **kwargs), save_directory)
+        if push_to_hub:
+            repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.normpath(save_directory)))
+            return self.push_to_hub(repo_id, **hub_kwargs)
+
+    def _output(self, output, return_dict):
+        """return_dict=False (or config.return_dict=False) gives the tuple of the fields that are set, as
+        transformers' T5 does."""
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        return output if return_dict else output.to_tuple()
+
+    def set_attn_implementation(self, attn_implementation, *args, **kwargs):
+        """transformers' names mapped onto FAT5's backends: "eager" and "sdpa" set `config.attention_backend`.
+        FAT5 computes attention itself (the Triton kernel is attention_backend="triton", or "auto" on CUDA), so
+        transformers' other implementations (flash_attention_2, flex_attention, kernels) do not apply."""
+        requested = attn_implementation.get("", None) if isinstance(attn_implementation, dict) else attn_implementation
+        if requested not in ("eager", "sdpa"):
+            raise ValueError(
+                f"FAT5 maps set_attn_implementation('eager') and ('sdpa') onto config.attention_backend; "
+                f"{requested!r} is not one of them. For the Triton kernel set model.config.attention_backend = "
+                "'triton' (or 'auto', which uses it on CUDA)")
+        self.config.attention_backend = requested
+        self.config._attn_implementation_internal = requested
+
+    def create_masks_for_generate(self, attention_mask=None, **kwargs):
+        """generate() turns the decoder's mask into a dense 4-D causal mask for static caches; FAT5 applies
+        causality inside attention and takes only a (batch, keys) padding mask, so it keeps the 2-D one."""
+        return attention_mask
 
     def _shift_right(self, input_ids):
         """Decoder inputs from labels: prepend decoder_start_token_id, turn -100 into pad."""
@@ -465,10 +593,11 @@ class FAT5EncoderDecoderMixin:
 
     def _encode_and_decode(self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask,
                            encoder_outputs, past_key_values, inputs_embeds, decoder_inputs_embeds, use_cache,
-                           output_hidden_states):
+                           output_hidden_states, output_attentions=None):
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
-                                           inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
+                                           inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states,
+                                           output_attentions=output_attentions)
         elif not isinstance(encoder_outputs, BaseModelOutput):
             encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs[0])
         if use_cache is None:
@@ -477,7 +606,8 @@ class FAT5EncoderDecoderMixin:
                                        inputs_embeds=decoder_inputs_embeds, past_key_values=past_key_values,
                                        encoder_hidden_states=encoder_outputs.last_hidden_state,
                                        encoder_attention_mask=attention_mask, use_cache=use_cache,
-                                       output_hidden_states=output_hidden_states)
+                                       output_hidden_states=output_hidden_states,
+                                       output_attentions=output_attentions)
         return encoder_outputs, decoder_outputs
 
 
@@ -489,17 +619,20 @@ class FAT5Model(FAT5EncoderDecoderMixin, FAT5PreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, past_key_values=None, inputs_embeds=None, decoder_inputs_embeds=None,
-                use_cache=None, output_hidden_states=None, return_dict=None, **kwargs):
+                use_cache=None, output_hidden_states=None, return_dict=None, output_attentions=None, **kwargs):
         encoder_outputs, decoder_outputs = self._encode_and_decode(
             input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, past_key_values,
-            inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states)
-        return Seq2SeqModelOutput(
+            inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states, output_attentions)
+        return self._output(Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
             past_key_values=decoder_outputs.past_key_values,
             decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
             encoder_hidden_states=encoder_outputs.hidden_states,
-        )
+            encoder_attentions=encoder_outputs.attentions,
+        ), return_dict)
 
 
 def seq2seq_lm_loss(logits, labels, label_smoothing=0.0, z_loss=0.0, num_items_in_batch=None):
@@ -537,12 +670,12 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, past_key_values=None, inputs_embeds=None, decoder_inputs_embeds=None,
                 labels=None, use_cache=None, output_hidden_states=None, return_dict=None, num_items_in_batch=None,
-                **kwargs):
+                output_attentions=None, **kwargs):
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self._shift_right(labels)
         encoder_outputs, decoder_outputs = self._encode_and_decode(
             input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, past_key_values,
-            inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states)
+            inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states, output_attentions)
         sequence_output = decoder_outputs.last_hidden_state
         if self.config.scale_decoder_outputs:
             # T5 v1.0 ties the LM head to the input embedding and rescales before it.
@@ -552,14 +685,24 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
         if labels is not None:
             loss = seq2seq_lm_loss(logits, labels, self.config.label_smoothing, self.config.z_loss,
                                    num_items_in_batch)
-        return Seq2SeqLMOutput(
+        return self._output(Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
             past_key_values=decoder_outputs.past_key_values,
             decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
             encoder_hidden_states=encoder_outputs.hidden_states,
-        )
+            encoder_attentions=encoder_outputs.attentions,
+        ), return_dict)
+
+    def text2text_pipeline(self, tokenizer, **kwargs):
+        """This model's text2text-generation pipeline (see `pipeline_fat5.text2text_pipeline`); works where the
+        model came from a checkpoint folder with trust_remote_code as well as with FAT5 installed."""
+        from .pipeline_fat5 import text2text_pipeline
+
+        return text2text_pipeline(self, tokenizer, **kwargs)
 
     def prepare_decoder_input_ids_from_labels(self, labels):
         return self._shift_right(labels)
@@ -584,9 +727,9 @@ class FAT5EncoderMixin:
     def get_encoder(self, *args, **kwargs):
         return self.encoder
 
-    def _encode(self, input_ids, attention_mask, inputs_embeds, output_hidden_states):
+    def _encode(self, input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions=None):
         return self.encoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                            output_hidden_states=output_hidden_states)
+                            output_hidden_states=output_hidden_states, output_attentions=output_attentions)
 
 
 class FAT5EncoderModel(FAT5EncoderMixin, FAT5PreTrainedModel):
@@ -596,9 +739,11 @@ class FAT5EncoderModel(FAT5EncoderMixin, FAT5PreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, output_hidden_states=None,
-                return_dict=None, **kwargs):
-        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states)
-        return BaseModelOutput(last_hidden_state=outputs.last_hidden_state, hidden_states=outputs.hidden_states)
+                return_dict=None, output_attentions=None, **kwargs):
+        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions)
+        return self._output(BaseModelOutput(last_hidden_state=outputs.last_hidden_state,
+                                            hidden_states=outputs.hidden_states, attentions=outputs.attentions),
+                            return_dict)
 
 
 class FAT5ClassificationHead(nn.Module):
@@ -625,8 +770,8 @@ class FAT5ForSequenceClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
-                output_hidden_states=None, return_dict=None, **kwargs):
-        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states)
+                output_hidden_states=None, return_dict=None, output_attentions=None, **kwargs):
+        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions)
         hidden = outputs.last_hidden_state
         if attention_mask is None:
             pooled = hidden.mean(dim=1)
@@ -642,7 +787,8 @@ class FAT5ForSequenceClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
                 loss = F.cross_entropy(logits.float(), labels)
             else:
                 loss = F.binary_cross_entropy_with_logits(logits.float(), labels.float())
-        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return self._output(SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                                     attentions=outputs.attentions), return_dict)
 
 
 class FAT5ForTokenClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
@@ -654,14 +800,15 @@ class FAT5ForTokenClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
-                output_hidden_states=None, return_dict=None, **kwargs):
-        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states)
+                output_hidden_states=None, return_dict=None, output_attentions=None, **kwargs):
+        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions)
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                                    ignore_index=-100)
-        return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return self._output(TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                                  attentions=outputs.attentions), return_dict)
 
 
 class FAT5ForQuestionAnswering(FAT5EncoderMixin, FAT5PreTrainedModel):
@@ -674,8 +821,8 @@ class FAT5ForQuestionAnswering(FAT5EncoderMixin, FAT5PreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, start_positions=None,
-                end_positions=None, output_hidden_states=None, return_dict=None, **kwargs):
-        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states)
+                end_positions=None, output_hidden_states=None, return_dict=None, output_attentions=None, **kwargs):
+        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions)
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).float().unbind(dim=-1)
         loss = None
         if start_positions is not None and end_positions is not None:
@@ -685,8 +832,9 @@ class FAT5ForQuestionAnswering(FAT5EncoderMixin, FAT5PreTrainedModel):
             end = end_positions.clamp(0, length)
             loss = (F.cross_entropy(start_logits, start, ignore_index=length)
                     + F.cross_entropy(end_logits, end, ignore_index=length)) / 2
-        return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
-                                            hidden_states=outputs.hidden_states)
+        return self._output(QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
+                                                         hidden_states=outputs.hidden_states,
+                                                         attentions=outputs.attentions), return_dict)
 
 
 __all__ = [

@@ -254,6 +254,8 @@ class FAT5Attention(nn.Module):
             q_offset = position.get("q_offset", 0)
             bias_kwargs = {name: position[name] for name in ("alibi_slopes", "position_bias") if name in position}
             table = position.get("bias_table")
+            if table is None and hasattr(self, "relative_attention_bias"):
+                table = self.relative_attention_bias.weight  # called on its own, outside FAT5Block
             if table is not None:
                 bias_kwargs.update(bias_table=table, bidirectional=not self.is_decoder,
                                    num_buckets=self.config.relative_attention_num_buckets,

@@ -329,8 +329,12 @@ def test_deepspeed_and_fsdp_configs():
     from transformers import Seq2SeqTrainingArguments
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
+    from fat5 import FAT5Config, FAT5ForConditionalGeneration
     from fat5.modeling_fat5 import FAT5PreTrainedModel
 
+    # The bucket sizes are "auto": the Trainer derives them from the model's hidden size (d_model).
+    model = FAT5ForConditionalGeneration(FAT5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1,
+                                                    num_heads=4, decoder_start_token_id=0))
     for name, offload in [("ds_zero3_bf16.json", False), ("ds_zero3_offload_bf16.json", True)]:
         config = json.loads((CONFIGS / name).read_text())
         zero = config["zero_optimization"]
@@ -341,7 +345,7 @@ def test_deepspeed_and_fsdp_configs():
         filled = HfTrainerDeepSpeedConfig(config)
         args = Seq2SeqTrainingArguments(output_dir="unused", bf16=False, report_to="none")
         filled.trainer_config_process(args)
-        filled.trainer_config_finalize(args, torch.nn.Linear(64, 64), num_training_steps=10)
+        filled.trainer_config_finalize(args, model, num_training_steps=10)
         assert "auto" not in json.dumps(filled.config), filled.config
     fsdp = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())
     assert fsdp["distributed_type"] == "FSDP"

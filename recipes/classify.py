@@ -12,9 +12,9 @@ Labels are the label names, or integers indexing --classes (as GLUE's MNLI store
 from dataclasses import dataclass, field
 
 import numpy as np
-from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, Trainer
+from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, Seq2SeqTrainingArguments, Trainer
 
-from recipes.common import DataArguments, ModelArguments, RecipeError, Seq2SeqTrainingArguments, finish
+from recipes.common import DataArguments, ModelArguments, RecipeError, finish
 from recipes.common import exact_match, load_splits, load_tokenizer, main_wrapper, parse_args, require_columns
 from recipes.common import run_seq2seq, save, setup, texts, wrap_lora
 

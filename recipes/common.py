@@ -16,7 +16,7 @@ from typing import Optional
 import datasets
 import numpy as np
 import transformers
-from transformers import AutoTokenizer, HfArgumentParser, Seq2SeqTrainingArguments
+from transformers import AutoTokenizer, HfArgumentParser
 from transformers.trainer_utils import get_last_checkpoint
 
 logger = logging.getLogger("recipes")
@@ -156,7 +156,8 @@ def load_splits(data_args, training_args):
             continue
         if files[split] is None:
             flag = "--dataset_name has no such split" if data_args.dataset_name else f"pass --{split}_file"
-            raise RecipeError(f"--do_{'eval' if split == 'validation' else split[:7]} needs {split} data ({flag})")
+            do_flag = {"train": "--do_train", "validation": "--do_eval", "test": "--do_predict"}[split]
+            raise RecipeError(f"{do_flag} needs {split} data ({flag})")
         dataset = loaded[files[split]] if data_args.dataset_name else read_table(files[split])
         if limits[split] is not None:
             dataset = dataset.select(range(min(limits[split], len(dataset))))

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from rouge_score import rouge_scorer
+from transformers import Seq2SeqTrainingArguments
 
-from recipes.common import DataArguments, ModelArguments, Seq2SeqTrainingArguments, main_wrapper, parse_args
+from recipes.common import DataArguments, ModelArguments, main_wrapper, parse_args
 from recipes.common import run_seq2seq, source_target_pairs
 
 ROUGE_TYPES = ["rouge1", "rouge2", "rougeL", "rougeLsum"]

@@ -7,8 +7,9 @@ predictions to OUTPUT_DIR/predictions.csv (source, reference, prediction).
 """
 
 import sacrebleu
+from transformers import Seq2SeqTrainingArguments
 
-from recipes.common import DataArguments, ModelArguments, Seq2SeqTrainingArguments, main_wrapper, parse_args
+from recipes.common import DataArguments, ModelArguments, main_wrapper, parse_args
 from recipes.common import run_seq2seq, source_target_pairs
 
 

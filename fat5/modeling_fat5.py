@@ -321,7 +321,9 @@ class FAT5Block(GradientCheckpointingLayer):
         self.layer.append(FAT5LayerFF(config))
 
     def forward(self, hidden_states, key_padding_mask=None, encoder_hidden_states=None,
-                encoder_key_padding_mask=None, position=None, past_key_values=None):
+                encoder_key_padding_mask=None, position=None, past_key_values=None, bias_table=None):
+        """`bias_table`: the relative-bias table of the stack's first block, for the blocks that share it. It is a
+        positional tensor argument, not a `position` entry, so (reentrant) gradient checkpointing tracks it."""
         attention = self.layer[0].SelfAttention
         table = None
         if hasattr(attention, "relative_attention_bias"):
@@ -329,6 +331,8 @@ class FAT5Block(GradientCheckpointingLayer):
             buckets = torch.arange(attention.config.relative_attention_num_buckets, device=hidden_states.device)
             table = attention.relative_attention_bias(buckets)
             position = {**(position or {}), "bias_table": table}
+        elif bias_table is not None:
+            position = {**(position or {}), "bias_table": bias_table}
         hidden_states = self.layer[0](hidden_states, key_padding_mask, position, past_key_values)
         if self.is_decoder and encoder_hidden_states is not None:
             hidden_states = self.layer[1](hidden_states, encoder_hidden_states, encoder_key_padding_mask,
@@ -422,6 +426,7 @@ class FAT5Stack(nn.Module):
             # fp16 overflows in T5's residual stream (FFN outputs reach 1e5): carry the residual in fp32.
             hidden_states = hidden_states.float()
         all_hidden_states = () if output_hidden_states else None
+        bias_table = None  # set by the first block when the stack shares its relative-bias table
         all_attentions = () if output_attentions else None
         all_cross_attentions = () if output_attentions and encoder_hidden_states is not None else None
         for block in self.block:
@@ -430,10 +435,9 @@ class FAT5Stack(nn.Module):
             if output_attentions:
                 position["attention_weights"] = []  # each attention of the block appends its weights
             hidden_states = block(hidden_states, key_padding_mask, encoder_hidden_states, encoder_key_padding_mask,
-                                  position, past_key_values)
+                                  position, past_key_values, bias_table)
             if isinstance(hidden_states, tuple):
                 hidden_states, bias_table = hidden_states
-                position = {**position, "bias_table": bias_table}
             if output_attentions:
                 all_attentions += (position["attention_weights"][0],)
                 if all_cross_attentions is not None:

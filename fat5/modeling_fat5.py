@@ -294,8 +294,9 @@ class FAT5Attention(nn.Module):
             q_offset = position.get("q_offset", 0)
             segments = position.get("segments")
             bias_kwargs = {name: position[name] for name in ("alibi_slopes", "position_bias") if name in position}
-            table = self.relative_attention_bias.weight if hasattr(self, "relative_attention_bias") else \
-                position.get("bias_table")
+            table = position.get("bias_table")
+            if table is None and hasattr(self, "relative_attention_bias"):
+                table = self.relative_attention_bias.weight  # called on its own, outside FAT5Block
             if table is not None:
                 bias_kwargs.update(bias_table=table, bidirectional=not self.is_decoder,
                                    num_buckets=self.config.relative_attention_num_buckets,
@@ -366,12 +367,28 @@ class FAT5Block(GradientCheckpointingLayer):
         self.layer.append(FAT5LayerFF(config))
 
     def forward(self, hidden_states, key_padding_mask=None, encoder_hidden_states=None,
-                encoder_key_padding_mask=None, position=None, past_key_values=None):
+                encoder_key_padding_mask=None, position=None, past_key_values=None, bias_table=None):
+        """`bias_table`: the relative-bias table of the stack's first block, for the blocks that share it. It is a
+        positional tensor argument, not a `position` entry, so (reentrant) gradient checkpointing tracks it."""
+        attention = self.layer[0].SelfAttention
+        table = None
+        if hasattr(attention, "relative_attention_bias"):
+            # Read through the embedding's forward, not `.weight`, so ZeRO-3 gathers it while this block runs.
+            buckets = torch.arange(attention.config.relative_attention_num_buckets, device=hidden_states.device)
+            table = attention.relative_attention_bias(buckets)
+            position = {**(position or {}), "bias_table": table}
+        elif bias_table is not None:
+            position = {**(position or {}), "bias_table": bias_table}
         hidden_states = self.layer[0](hidden_states, key_padding_mask, position, past_key_values)
         if self.is_decoder and encoder_hidden_states is not None:
             hidden_states = self.layer[1](hidden_states, encoder_hidden_states, encoder_key_padding_mask,
                                           past_key_values, position)
-        return self.layer[-1](hidden_states)
+        hidden_states = self.layer[-1](hidden_states)
+        if table is not None and not attention.config.relative_bias_per_layer:
+            # This table serves every layer of the stack. It leaves the block as an output, so sharding engines
+            # (FSDP per block, ZeRO-3) route the later layers' gradient back through this block.
+            return hidden_states, table
+        return hidden_states
 
 
 class FAT5Stack(nn.Module):
@@ -408,9 +425,7 @@ class FAT5Stack(nn.Module):
                     "cache_position": torch.arange(query_length, device=device) + q_offset}
         kind = config.position_encoding_type
         first_attention = self.block[0].layer[0].SelfAttention if len(self.block) else None
-        if kind == "t5" and first_attention is not None:
-            position["bias_table"] = first_attention.relative_attention_bias.weight
-        elif kind == "alibi":
+        if kind == "alibi":
             position["alibi_slopes"] = alibi_slopes(config.num_heads).to(device)
         elif kind == "fire" and first_attention is not None:
             position["position_bias"] = first_attention.fire(query_length, key_length, q_offset, device, positions)
@@ -469,6 +484,7 @@ class FAT5Stack(nn.Module):
             # fp16 overflows in T5's residual stream (FFN outputs reach 1e5): carry the residual in fp32.
             hidden_states = hidden_states.float()
         all_hidden_states = () if output_hidden_states else None
+        bias_table = None  # set by the first block when the stack shares its relative-bias table
         all_attentions = () if output_attentions else None
         all_cross_attentions = () if output_attentions and encoder_hidden_states is not None else None
         for block in self.block:
@@ -477,7 +493,9 @@ class FAT5Stack(nn.Module):
             if output_attentions:
                 position["attention_weights"] = []  # each attention of the block appends its weights
             hidden_states = block(hidden_states, key_padding_mask, encoder_hidden_states, encoder_key_padding_mask,
-                                  position, past_key_values)
+                                  position, past_key_values, bias_table)
+            if isinstance(hidden_states, tuple):
+                hidden_states, bias_table = hidden_states
             if output_attentions:
                 all_attentions += (position["attention_weights"][0],)
                 if all_cross_attentions is not None:

@@ -19,3 +19,14 @@ def test_smoke_run_writes_rows(tmp_path):
     assert {"implementation", "L", "batch", "causal", "pass", "tflops", "ms", "peak_mib", "status"} <= set(rows[0])
     assert {(r["implementation"], r["pass"]) for r in rows if r["status"] == "ok"} >= {
         ("fat5", "fwd"), ("fat5", "fwd+bwd"), ("sdpa_dense_bias", "fwd"), ("sdpa_dense_bias", "fwd+bwd")}
+
+
+def test_decode_smoke_run_writes_rows(tmp_path):
+    result = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--decode", "--out-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| batch | Lk | fat5 | sdpa_dense_bias | sdpa_nobias |" in result.stdout
+    (raw,) = tmp_path.glob("*_decode.json")
+    rows = json.loads(raw.read_text())["rows"]
+    assert {(r["implementation"], r["batch"]) for r in rows if r["status"] == "ok"} == {
+        (name, 1) for name in ("fat5", "sdpa_dense_bias", "sdpa_nobias")}

@@ -129,6 +129,8 @@ def test_long_sequence_uses_far_tiles_and_their_gradient():
     q, k, v, table = inputs(1, 2, 70, 70, 32, seed=3)
     check_against_reference(q, k, v, table, bidirectional=True)
     check_against_reference(q, k, v, table, bidirectional=False, causal=True)
+    # ALiBi splits its tiles the same way: left of, across and right of the diagonal.
+    check_against_reference(q, k, v, alibi_slopes=alibi_slopes(2).to(DEVICE))
 
 
 @pytest.mark.parametrize("causal", [False, True])

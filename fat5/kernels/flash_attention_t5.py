@@ -7,11 +7,16 @@ weight with the exact torch bucketing (`relative_position_bucket`) before the ke
 ``lut[h, clamp(k - q)]``. Its gradient comes back as the gradient of that small table and reaches the bucket
 weight through ordinary autograd of the gather, so every length and both signs are handled by one definition.
 
-Most tiles of a long sequence lie entirely beyond +-max_distance: there the bias is one scalar per head, the
-forward adds it without a gather and the backward sums dS over the tile into one of two registers. Only
-tiles near the diagonal gather per element and scatter their dS with atomics.
+Most tiles of a long sequence lie entirely beyond +-max_distance: there the bias is one scalar per head. Each
+program therefore walks its tiles in three loops with scalar bounds (far-left, near band, far-right), the bias
+kind fixed at compile time: far tiles cost what a no-bias tile costs (the scalar shifts the row max, the key mask
+is one additive column vector, the causal mask only exists in the near-band loop, which holds the diagonal), and the
+backward sums their dS per row into one of two table entries. Only near-band tiles gather per element and add
+their dS to the table per diagonal with relaxed atomics. benchmarks/sm90_profile.py reads the sm_90a build.
 
-ALiBi (-slope * |k - q|) is computed from the slopes; with no bias the kernel is plain flash attention.
+ALiBi (-slope * |k - q|) is computed from the slopes, per element only on tiles that cross the diagonal (on
+either side it splits into a per-key and a per-row part); with no bias the kernel is plain flash attention.
+batch * heads is grid axis 0 (axis 1 is capped at 65535) and base offsets are int64 (no wrap past 2^31 elements).
 Layouts: padded (B, H, L, D) with an optional (B, Lk) key mask, or packed varlen (total, H, D) with
 cumulative sequence lengths, where sequences never see each other and positions restart at 0.
 """
@@ -79,7 +84,8 @@ def _sequence_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr)
 
 @triton.jit
 def _far_bias(h, LUT, stride_lut_h, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr):
-    """The one bias value (log2 units) of a far tile; 0 where the bias is per element or absent."""
+    """T5's one bias value of a far tile (log2 units), which the caller applies to the row max and shift instead
+    of to every score; 0 in the near band and for the other biases."""
     bias = 0.0
     if BIAS_TYPE == 1:
         if REGION == FAR_LEFT:
@@ -90,19 +96,39 @@ def _far_bias(h, LUT, stride_lut_h, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.conste
 
 
 @triton.jit
-def _scores(q, kt, rows, cols, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES, KMASK,
+def _alibi_row_bias(rows, start_n, h, q_offset, SLOPES, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr):
+    """ALiBi's part of a tile on one side of the diagonal that is constant along each row (log2 units):
+    -slope * |i + q_offset - start_n| (the key part is in _scores' column vector); 0 otherwise."""
+    bias = 0.0
+    if BIAS_TYPE == 2:
+        if REGION != NEAR:
+            distance = (rows + q_offset - start_n).to(tl.float32)
+            if REGION == FAR_LEFT:
+                distance = -distance
+            bias = tl.load(SLOPES + h) * KERNEL_LOG2E * distance
+    return bias
+
+
+@triton.jit
+def _scores(q, kt, rows, cols, start_n, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES, KMASK,
             stride_mask_b, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr,
             MASK_CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """log2-scaled scores of one tile with the per-element bias added; -inf where the pair is not visible.
 
     Everything per key (keys past the end, padding) is one column vector, so a far tile costs one FMA per score
-    like no bias at all; its one bias value is applied per row by the caller. Rows past the end need no mask:
-    they are never stored, and the backward reads +inf for their log-sum-exp, which makes their probabilities 0."""
+    like no bias at all; the per-row parts (_far_bias, _alibi_row_bias) are applied by the caller. Rows past the
+    end need no mask: they are never stored, and the backward reads +inf for their log-sum-exp, which makes their
+    probabilities 0."""
     if HAS_KMASK:
         # 0 for kept keys, -inf for padding and for the KEY_MASK_PAD columns past the end: no bounds check.
         column = tl.load(KMASK + b * stride_mask_b + cols)
     else:
         column = tl.where(cols < k_len, 0.0, float("-inf"))
+    if BIAS_TYPE == 2:
+        if REGION != NEAR:
+            # One side of the diagonal: -slope * |j - i| = -slope * |i + q_offset - start_n| -+ slope * (j - start_n).
+            offset = (cols - start_n).to(tl.float32) * (tl.load(SLOPES + h) * KERNEL_LOG2E)
+            column += offset if REGION == FAR_LEFT else -offset
     s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale + column[None, :]
     relative = cols[None, :] - (rows[:, None] + q_offset)
     if BIAS_TYPE == 1:
@@ -110,7 +136,8 @@ def _scores(q, kt, rows, cols, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_
             index = tl.minimum(tl.maximum(relative, -MAX_DIST), MAX_DIST) + MAX_DIST
             s += tl.load(LUT + h * stride_lut_h + index) * KERNEL_LOG2E
     elif BIAS_TYPE == 2:
-        s -= tl.load(SLOPES + h) * tl.abs(relative).to(tl.float32) * KERNEL_LOG2E
+        if REGION == NEAR:
+            s -= tl.load(SLOPES + h) * tl.abs(relative).to(tl.float32) * KERNEL_LOG2E
     if MASK_CAUSAL:
         s = tl.where(relative <= 0, s, float("-inf"))
     return s
@@ -121,15 +148,18 @@ def _key_tile_bounds(start_m, q_len, k_len, q_offset, MAX_DIST: tl.constexpr, BI
                      CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """For the query tile at start_m: key tiles [0, near_start) are far-left, [near_start, near_end) near (or, for
     ALiBi and no bias, on the causal diagonal), [near_end, end_n) far-right. Only real rows count, so the phantom
-    rows of a short decode step do not pull far tiles into the band."""
+    rows of a short decode step do not pull far tiles into the band. ALiBi's band is the diagonal (width 0)."""
+    BAND: tl.constexpr = MAX_DIST if BIAS_TYPE == 1 else 0
     last_row = tl.minimum(start_m + BLOCK_M, q_len) - 1 + q_offset
     end_n = k_len
     if CAUSAL:
         end_n = tl.minimum(k_len, last_row + 1)
-    if BIAS_TYPE == 1:
-        # Key tile [n, n + BLOCK_N) is far-left when n + BLOCK_N - 1 - (start_m + q_offset) <= -MAX_DIST.
-        near_start = tl.maximum(start_m + q_offset - MAX_DIST + 1, 0) // BLOCK_N * BLOCK_N
-        near_end = (last_row + MAX_DIST + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    if BIAS_TYPE != 0:
+        # Key tile [n, n + BLOCK_N) is far-left when n + BLOCK_N - 1 - (start_m + q_offset) <= -BAND.
+        near_start = tl.maximum(start_m + q_offset - BAND + 1, 0) // BLOCK_N * BLOCK_N
+        near_end = (last_row + BAND + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        if CAUSAL:  # tiles right of the diagonal need the causal mask: no far-right loop
+            near_end = end_n
     elif CAUSAL:
         near_start = tl.maximum(start_m + q_offset + 1, 0) // BLOCK_N * BLOCK_N
         near_end = end_n
@@ -146,15 +176,18 @@ def _query_tile_bounds(start_n, q_len, k_len, q_offset, MAX_DIST: tl.constexpr, 
                        CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """For the key tile at start_n: query tiles [start, near_start) are far-right (the keys lie right of them),
     [near_start, near_end) near (or on the causal diagonal), [near_end, q_len) far-left."""
+    BAND: tl.constexpr = MAX_DIST if BIAS_TYPE == 1 else 0
     last_col = tl.minimum(start_n + BLOCK_N, k_len) - 1
     start = 0
     if CAUSAL:
         # Query i sees key j only if j <= i + q_offset: skip the query tiles entirely above the diagonal.
         start = tl.maximum(start_n - q_offset, 0) // BLOCK_M * BLOCK_M
-    if BIAS_TYPE == 1:
-        # Query tile [m, m + BLOCK_M) is far-right when start_n - (m + BLOCK_M - 1 + q_offset) >= MAX_DIST.
-        near_start = tl.maximum(start_n - MAX_DIST + 1 - q_offset, 0) // BLOCK_M * BLOCK_M
-        near_end = (tl.maximum(last_col + MAX_DIST - q_offset, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    if BIAS_TYPE != 0:
+        # Query tile [m, m + BLOCK_M) is far-right when start_n - (m + BLOCK_M - 1 + q_offset) >= BAND.
+        near_start = tl.maximum(start_n - BAND + 1 - q_offset, 0) // BLOCK_M * BLOCK_M
+        near_end = (tl.maximum(last_col + BAND - q_offset, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        if CAUSAL:  # no far-right loop: the near loop starts at the first visible tile
+            near_start = start
     elif CAUSAL:
         near_start = start
         near_end = (tl.maximum(last_col - q_offset, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -177,13 +210,14 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, rows, offs_n, offs_
         cols = start_n + offs_n
         col_ok = cols < k_len
         kt = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None], mask=col_ok[None, :], other=0.0)
-        s = _scores(q, kt, rows, cols, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES, KMASK,
+        s = _scores(q, kt, rows, cols, start_n, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES, KMASK,
                     stride_mask_b, MAX_DIST, BIAS_TYPE, REGION, MASK_CAUSAL, HAS_KMASK, DOT_PRECISION)
-        # A far tile's bias is one value: add it to the row max and shift, not to every score.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) + far_bias)
+        # A far tile's bias is constant along rows: add it to the row max and shift, not to every score.
+        row_bias = far_bias + _alibi_row_bias(rows, start_n, h, q_offset, SLOPES, BIAS_TYPE, REGION)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) + row_bias)
         # Rows with nothing visible yet keep m = -inf; shift by 0 instead so exp2 gives 0, not NaN.
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - (m_shift - far_bias)[:, None])
+        p = tl.exp2(s - (m_shift - row_bias)[:, None])
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
@@ -228,15 +262,15 @@ def _forward_kernel(Q, K, V, Out, LSE, LUT, SLOPES, KMASK, CU_Q, CU_K,
                                    q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES, KMASK,
                                    stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK, DOT_PRECISION,
                                    BLOCK_N)
-    if BIAS_TYPE == 1 or CAUSAL:
-        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, near_start, near_end, rows, offs_n, offs_d, b, h,
-                                       k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES,
+    if BIAS_TYPE != 0 or CAUSAL:
+        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, near_start, near_end, rows, offs_n, offs_d, b,
+                                       h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES,
                                        KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, NEAR, CAUSAL, HAS_KMASK,
                                        DOT_PRECISION, BLOCK_N)
-    if BIAS_TYPE == 1 and not CAUSAL:
-        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, near_end, end_n, rows, offs_n, offs_d, b, h, k_len,
-                                       q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES, KMASK,
-                                       stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_RIGHT, False, HAS_KMASK,
+    if BIAS_TYPE != 0 and not CAUSAL:
+        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, near_end, end_n, rows, offs_n, offs_d, b, h,
+                                       k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES,
+                                       KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_RIGHT, False, HAS_KMASK,
                                        DOT_PRECISION, BLOCK_N)
 
     seen = l_i > 0
@@ -249,10 +283,11 @@ def _forward_kernel(Q, K, V, Out, LSE, LUT, SLOPES, KMASK, CU_Q, CU_K,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, lo, hi, cols, offs_m, offs_d, b, h, q_len,
-                k_len, q_offset, qk_scale, stride_qm, stride_dom, LUT, stride_lut_h, SLOPES, KMASK, stride_mask_b,
-                MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr, MASK_CAUSAL: tl.constexpr,
-                HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
+def _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, lo, hi, cols, start_n, offs_m, offs_d, b, h,
+                q_len, k_len, q_offset, qk_scale, stride_qm, stride_dom, LUT, stride_lut_h, SLOPES, KMASK,
+                stride_mask_b, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr,
+                MASK_CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr):
     far_bias = _far_bias(h, LUT, stride_lut_h, MAX_DIST, BIAS_TYPE, REGION)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
@@ -261,10 +296,11 @@ def _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, lo, hi, co
         do = tl.load(do_base + rows[:, None] * stride_dom + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))
         delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
-        s = _scores(q, kt, rows, cols, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES, KMASK,
-                    stride_mask_b, MAX_DIST, BIAS_TYPE, REGION, MASK_CAUSAL, HAS_KMASK, DOT_PRECISION)
+        s = _scores(q, kt, rows, cols, start_n, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h,
+                    SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, REGION, MASK_CAUSAL, HAS_KMASK, DOT_PRECISION)
+        row_bias = far_bias + _alibi_row_bias(rows, start_n, h, q_offset, SLOPES, BIAS_TYPE, REGION)
         # Hidden pairs have s = -inf and rows past the end lse = +inf: p is exactly 0 there.
-        p = tl.exp2(s - (lse - far_bias)[:, None])
+        p = tl.exp2(s - (lse - row_bias)[:, None])
         dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
         dp = tl.dot(do, tl.trans(v).to(do.dtype), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -306,17 +342,20 @@ def _backward_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LUT, SLOPES, KMASK, C
     delta_base = DELTA + b * stride_lse_b + h * stride_lse_h + q_start
     start, near_start, near_end = _query_tile_bounds(start_n, q_len, k_len, q_offset, MAX_DIST, BIAS_TYPE, CAUSAL,
                                                      BLOCK_M, BLOCK_N)
-    if BIAS_TYPE == 1 and not CAUSAL:
-        dk, dv = _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, start, near_start, cols, offs_m, offs_d, b, h, q_len, k_len, q_offset,
-                             qk_scale, stride_qm, stride_dom, LUT, stride_lut_h, SLOPES, KMASK, stride_mask_b,
-                             MAX_DIST, BIAS_TYPE, FAR_RIGHT, False, HAS_KMASK, DOT_PRECISION, BLOCK_M)
-    if BIAS_TYPE == 1 or CAUSAL:
-        dk, dv = _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, near_start, near_end, cols, offs_m, offs_d, b, h, q_len, k_len,
-                             q_offset, qk_scale, stride_qm, stride_dom, LUT, stride_lut_h, SLOPES, KMASK,
-                             stride_mask_b, MAX_DIST, BIAS_TYPE, NEAR, CAUSAL, HAS_KMASK, DOT_PRECISION, BLOCK_M)
-    dk, dv = _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, near_end, q_len, cols, offs_m, offs_d, b, h, q_len, k_len, q_offset,
-                         qk_scale, stride_qm, stride_dom, LUT, stride_lut_h, SLOPES, KMASK, stride_mask_b,
-                         MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK, DOT_PRECISION, BLOCK_M)
+    if BIAS_TYPE != 0 and not CAUSAL:
+        dk, dv = _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, start, near_start, cols, start_n,
+                             offs_m, offs_d, b, h, q_len, k_len, q_offset, qk_scale, stride_qm, stride_dom, LUT,
+                             stride_lut_h, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_RIGHT, False,
+                             HAS_KMASK, DOT_PRECISION, BLOCK_M)
+    if BIAS_TYPE != 0 or CAUSAL:
+        dk, dv = _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, near_start, near_end, cols, start_n,
+                             offs_m, offs_d, b, h, q_len, k_len, q_offset, qk_scale, stride_qm, stride_dom, LUT,
+                             stride_lut_h, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, NEAR, CAUSAL, HAS_KMASK,
+                             DOT_PRECISION, BLOCK_M)
+    dk, dv = _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, near_end, q_len, cols, start_n, offs_m,
+                         offs_d, b, h, q_len, k_len, q_offset, qk_scale, stride_qm, stride_dom, LUT, stride_lut_h,
+                         SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK, DOT_PRECISION,
+                         BLOCK_M)
     tl.store(DK + b * stride_dkb + h * stride_dkh + k_start * stride_dkn + cols[:, None] * stride_dkn
              + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + b * stride_dvb + h * stride_dvh + k_start * stride_dvn + cols[:, None] * stride_dvn
@@ -339,11 +378,12 @@ def _dq_tiles(dq, far_sum, q, do, lse, delta, k_base, v_base, dlut_base, lo, hi,
         col_ok = cols < k_len
         kt = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None], mask=col_ok[None, :], other=0.0)
         vt = tl.load(v_base + cols[None, :] * stride_vn + offs_d[:, None], mask=col_ok[None, :], other=0.0)
-        s = _scores(q, kt, rows, cols, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES, KMASK,
+        s = _scores(q, kt, rows, cols, start_n, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES, KMASK,
                     stride_mask_b, MAX_DIST, BIAS_TYPE, REGION, MASK_CAUSAL, HAS_KMASK, DOT_PRECISION)
+        row_bias = far_bias + _alibi_row_bias(rows, start_n, h, q_offset, SLOPES, BIAS_TYPE, REGION)
         # p (hence dS) is exactly 0 outside the visible pairs, so ragged tails and masked keys never reach the
         # bias gradient.
-        p = tl.exp2(s - (lse - far_bias)[:, None])
+        p = tl.exp2(s - (lse - row_bias)[:, None])
         dp = tl.dot(do, vt.to(do.dtype), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PRECISION)
@@ -402,19 +442,20 @@ def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, SLOPES, KMASK, C
     far_right = tl.zeros([BLOCK_M], dtype=tl.float32)
     near_start, near_end, end_n = _key_tile_bounds(start_m, q_len, k_len, q_offset, MAX_DIST, BIAS_TYPE, CAUSAL,
                                                    BLOCK_M, BLOCK_N)
-    dq, far_left = _dq_tiles(dq, far_left, q, do, lse, delta, k_base, v_base, dlut_base, 0, near_start, rows, offs_n, offs_d, b, h, k_len, q_offset,
-                             qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES, KMASK, stride_mask_b,
-                             MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK, DOT_PRECISION, BLOCK_M, BLOCK_N,
-                             DIAGONALS)
-    if BIAS_TYPE == 1 or CAUSAL:
-        dq, _ = _dq_tiles(dq, far_left, q, do, lse, delta, k_base, v_base, dlut_base, near_start, near_end, rows, offs_n, offs_d, b, h, k_len, q_offset,
-                          qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES, KMASK, stride_mask_b, MAX_DIST,
-                          BIAS_TYPE, NEAR, CAUSAL, HAS_KMASK, DOT_PRECISION, BLOCK_M, BLOCK_N, DIAGONALS)
-    if BIAS_TYPE == 1 and not CAUSAL:
-        dq, far_right = _dq_tiles(dq, far_right, q, do, lse, delta, k_base, v_base, dlut_base, near_end, end_n, rows, offs_n, offs_d, b, h, k_len,
-                                  q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES, KMASK,
-                                  stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_RIGHT, False, HAS_KMASK, DOT_PRECISION,
-                                  BLOCK_M, BLOCK_N, DIAGONALS)
+    dq, far_left = _dq_tiles(dq, far_left, q, do, lse, delta, k_base, v_base, dlut_base, 0, near_start, rows, offs_n,
+                             offs_d, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES,
+                             KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK, DOT_PRECISION,
+                             BLOCK_M, BLOCK_N, DIAGONALS)
+    if BIAS_TYPE != 0 or CAUSAL:
+        dq, _ = _dq_tiles(dq, far_left, q, do, lse, delta, k_base, v_base, dlut_base, near_start, near_end, rows,
+                          offs_n, offs_d, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h,
+                          SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, NEAR, CAUSAL, HAS_KMASK, DOT_PRECISION,
+                          BLOCK_M, BLOCK_N, DIAGONALS)
+    if BIAS_TYPE != 0 and not CAUSAL:
+        dq, far_right = _dq_tiles(dq, far_right, q, do, lse, delta, k_base, v_base, dlut_base, near_end, end_n, rows,
+                                  offs_n, offs_d, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT,
+                                  stride_lut_h, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_RIGHT, False,
+                                  HAS_KMASK, DOT_PRECISION, BLOCK_M, BLOCK_N, DIAGONALS)
     tl.store(DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqm + rows[:, None] * stride_dqm
              + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
     if BIAS_TYPE == 1:

@@ -206,6 +206,8 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, rows, offs_n, offs_
                    MASK_CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    BLOCK_N: tl.constexpr):
     far_bias = _far_bias(h, LUT, stride_lut_h, MAX_DIST, BIAS_TYPE, REGION)
+    # Not software-pipelined in the near band: staging its per-score table gather through shared memory doubled
+    # shared memory and made ptxas serialise the wgmma of the whole kernel (benchmarks/sm90_profile.py).
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=1 if REGION == NEAR else None):
         cols = start_n + offs_n
         col_ok = cols < k_len

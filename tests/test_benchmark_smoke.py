@@ -32,3 +32,14 @@ def test_loss_memory_smoke_run(tmp_path):
     assert set(row["peak_bytes"]) == {"full fp32 logits", "chunked (default)"}
     assert row["chunked_peak_bytes_real_run"] == row["peak_bytes"]["chunked (default)"]
     assert row["loss_relative_difference"] < 1e-5 and row["max_gradient_relative_difference"] < 1e-4
+
+
+def test_decode_smoke_run_writes_rows(tmp_path):
+    result = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--decode", "--out-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| batch | Lk | fat5 | sdpa_dense_bias | sdpa_nobias |" in result.stdout
+    (raw,) = tmp_path.glob("*_decode.json")
+    rows = json.loads(raw.read_text())["rows"]
+    assert {(r["implementation"], r["batch"]) for r in rows if r["status"] == "ok"} == {
+        (name, 1) for name in ("fat5", "sdpa_dense_bias", "sdpa_nobias")}

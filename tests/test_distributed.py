@@ -22,7 +22,10 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed")
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    # DeepSpeed's CPU backend JIT-builds a shared-memory op; a private build folder means a lock left by a killed
+    # earlier run cannot make both ranks wait forever.
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "TORCH_EXTENSIONS_DIR": str(out / "torch_extensions")}
     process = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(worker.WORLD),
          str(Path(worker.__file__)), str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)

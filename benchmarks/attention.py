@@ -13,13 +13,8 @@ FLOPs: forward 4·B·H·L²·D (half of it when causal); forward+backward counts
 """
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,12 +29,12 @@ import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
+import common  # noqa: E402  (puts this checkout first on sys.path)
 from fat5.attention_fat5 import relative_position_bucket  # noqa: E402
 from fat5.kernels.flash_attention_t5 import flash_attention_t5  # noqa: E402
 
 NUM_BUCKETS, MAX_DISTANCE = 32, 128
 IMPLEMENTATIONS = ("fat5", "sdpa_dense_bias", "sdpa_efficient_bias", "flex_lut", "sdpa_nobias")
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 
 def dense_bias(table, length, causal):
@@ -90,28 +85,6 @@ def run(name, q, k, v, table, causal):
     raise ValueError(f"unknown implementation {name}")
 
 
-def time_ms(fn, reps, warmup):
-    for _ in range(warmup):
-        fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def measure(name, batch, length, args, causal, passes):
     """Rows for one (implementation, length, causal): status, ms, TFLOP/s and peak extra memory per pass."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -138,14 +111,12 @@ def measure(name, batch, length, args, causal, passes):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
-            ms = time_ms(step, args.reps, args.warmup)
+            ms = common.time_ms(step, args.reps, args.warmup)
             row.update(ms=ms, tflops=flops * (3.5 if pass_name == "fwd+bwd" else 1) / ms / 1e9)
             if device == "cuda":
                 row["peak_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
-        except torch.cuda.OutOfMemoryError:
-            row["status"] = "oom"
-        except Exception as error:  # a peer failing at one size is recorded, and the run goes on
-            row["status"] = "error: " + (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        except Exception as error:  # a peer out of memory or failing at one size is recorded, and the run goes on
+            row["status"] = common.error_status(error)
         for tensor in (q, k, v, table):
             tensor.grad = None
         if device == "cuda":
@@ -178,11 +149,7 @@ def agreement(names, batch, length, args, causal):
 
 
 def device_name():
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU {platform.machine()} (interpreter)"
-
-
-def slug(text):
-    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+    return common.device_name() + ("" if torch.cuda.is_available() else " (interpreter)")
 
 
 def markdown(rows, args, stamp):
@@ -218,14 +185,9 @@ def markdown(rows, args, stamp):
 
 
 def plot(rows, args, path):
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
+    plt = common.pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     figure, axes = plt.subplots(2, 2, figsize=(11, 8), squeeze=False)
     for i, causal in enumerate((False, True)):
         for j, pass_name in enumerate(("fwd", "fwd+bwd")):
@@ -256,9 +218,9 @@ def parse_args():
     parser.add_argument("--peer-max-length", type=int, default=16384, help="peers stop at this L (fat5 goes on)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out-dir", type=Path, default=common.OUT_DIR)
     parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--update-results", action="store_true", help=f"append the table to {RESULTS}")
+    parser.add_argument("--update-results", action="store_true", help=f"append the table to {common.RESULTS}")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script itself")
     args = parser.parse_args()
     if args.smoke:
@@ -274,7 +236,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    stamp = datetime.date.today().isoformat()
+    stamp = common.today()
     causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     print(f"{device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
           f"transformers {transformers.__version__} | {stamp}")
@@ -299,18 +261,13 @@ def main():
                 rows.extend(new_rows)
     table = markdown(rows, args, stamp)
     print("\n" + table)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    raw = args.out_dir / f"{slug(device_name())}_{stamp}.json"
-    raw.write_text(json.dumps({"device": device_name(), "date": stamp, "torch": torch.__version__,
-                               "triton": triton.__version__, "transformers": transformers.__version__,
-                               "rows": rows}, indent=1) + "\n")
-    print(f"rows: {raw}")
+    settings = dict(heads=args.heads, head_dim=args.head_dim, dtype=args.dtype, tokens=args.tokens,
+                    reps=args.reps, warmup=args.warmup)
+    raw = common.write_rows("attention", rows, settings, args.out_dir)
     if not args.no_plot:
-        plot(rows, args, args.out_dir / f"{slug(device_name())}_{stamp}.png")
+        plot(rows, args, raw.with_suffix(".png"))
     if args.update_results:
-        with open(RESULTS, "a") as results:
-            results.write("\n" + table)
-        print(f"appended to {RESULTS}")
+        common.append_results(table)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,65 @@
-"""benchmarks/attention.py runs end to end (CPU, interpreter) and writes its raw rows. No timing is asserted."""
+"""The benchmark scripts run end to end on CPU (`--smoke`) and write their raw rows and tables. No timing is
+asserted: only that rows exist, the JSON is valid and the ratios were computed."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "attention.py"
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def test_smoke_run_writes_rows(tmp_path):
-    result = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--no-plot", "--out-dir", str(tmp_path),
-                             "--impl", "fat5,sdpa_dense_bias,sdpa_nobias", "--causal", "yes"],
-                            capture_output=True, text=True, timeout=300)
+def run_smoke(script, tmp_path, *extra):
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke", "--no-plot", "--out-dir",
+                             str(tmp_path), *extra], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "| causal | pass | L |" in result.stdout
     (raw,) = tmp_path.glob("*.json")
-    rows = json.loads(raw.read_text())["rows"]
+    document = json.loads(raw.read_text())
+    assert {"device", "date", "torch", "transformers", "rows"} <= set(document)
+    return result.stdout, document["rows"]
+
+
+def table_rows(stdout, first_cell):
+    return [line for line in stdout.splitlines() if line.startswith(f"| {first_cell}")]
+
+
+def test_attention_smoke_writes_rows(tmp_path):
+    stdout, rows = run_smoke("attention.py", tmp_path, "--impl", "fat5,sdpa_dense_bias,sdpa_nobias",
+                             "--causal", "yes")
+    assert "| causal | pass | L |" in stdout
     assert {"implementation", "L", "batch", "causal", "pass", "tflops", "ms", "peak_mib", "status"} <= set(rows[0])
     assert {(r["implementation"], r["pass"]) for r in rows if r["status"] == "ok"} >= {
         ("fat5", "fwd"), ("fat5", "fwd+bwd"), ("sdpa_dense_bias", "fwd"), ("sdpa_dense_bias", "fwd+bwd")}
+
+
+def test_train_step_smoke_compares_fat5_with_transformers_t5(tmp_path):
+    stdout, rows = run_smoke("train_step.py", tmp_path)
+    assert "max|logits - T5 eager logits| / max|logits|" in stdout
+    ok = {(r["implementation"], r["L"]) for r in rows if r["status"] == "ok"}
+    assert ok >= {("fat5", 16), ("fat5", 32), ("t5_eager", 16), ("t5_eager", 32)}
+    for row in rows:
+        if row["status"] == "ok":
+            assert row["tokens_per_s"] > 0 and row["ms"] > 0 and row["batch"] * row["L"] == 64
+    # One table line per L, each ending in the two ratios (speed, memory); the speed ratio is always computed.
+    lines = table_rows(stdout, "16 |") + table_rows(stdout, "32 |")
+    assert len(lines) == 2
+    for line in lines:
+        speed = line.strip(" |").split(" | ")[-2]
+        assert speed.endswith("x") and float(speed[:-1]) > 0
+
+
+def test_generate_smoke_compares_fat5_with_transformers_t5(tmp_path):
+    stdout, rows = run_smoke("generate.py", tmp_path)
+    by_key = {(r["implementation"], r["cache"], r["batch"]): r for r in rows}
+    assert set(by_key) == {(name, cache, batch) for name in ("fat5", "t5_eager", "t5_sdpa")
+                           for cache in ("dynamic", "static") for batch in (1, 2)}
+    for name in ("fat5", "t5_eager"):
+        for batch in (1, 2):
+            row = by_key[(name, "dynamic", batch)]
+            assert row["status"] == "ok" and row["tokens_per_s"] > 0
+            # Same weights, fp32, greedy: transformers' T5 produces FAT5's tokens.
+            assert row["same_tokens_as_fat5"] is True
+    # A cache that fails for one model is an error row with its message, not a crash.
+    assert all(r["status"] == "ok" or r["status"].startswith("error: ") for r in rows)
+    best = table_rows(stdout, "1 | best") + table_rows(stdout, "2 | best")
+    assert len(best) == 2 and all(line.strip(" |").split(" | ")[-1].endswith("x") for line in best)

@@ -245,16 +245,20 @@ def relative_difference(actual, expected):
 LOGIT_TOLERANCE = 1e-4  # fp32 logits, relative to their largest magnitude
 
 
-def logit_check(name, model, batch, expected):
-    """None when `model`'s fp32 logits match the eager T5's `expected`, else the status its rows record."""
+def checked_model(name, reference, batch, expected):
+    """(model on the device, None) when model `name` built from `reference` gives the eager T5's fp32 logits
+    `expected` on `batch`; otherwise (None, the status its rows record), e.g. a peer this transformers lacks."""
     try:
+        model = build_model(name, reference).to(device())
         difference = relative_difference(logits(model, batch), expected)
     except Exception as error:  # a peer that cannot run here: its rows say why
         status = error_status(error)
         print(f"{name}: {status}", flush=True)
-        return status
+        return None, status
     print(f"{name}: max|logits - T5 eager logits| / max|logits| = {difference:.2g}", flush=True)
-    return None if difference <= LOGIT_TOLERANCE else f"mismatch: relative logit difference {difference:.2g}"
+    if difference > LOGIT_TOLERANCE:
+        return None, f"mismatch: relative logit difference {difference:.2g}"
+    return model, None
 
 
 def parse_shape(text, base):

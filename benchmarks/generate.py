@@ -113,7 +113,8 @@ def plot(rows, args, path):
             speeds = [best(rows, batch, name, cache) or 0 for cache in args.caches]
             positions = [i + offset / (len(args.impl) + 1) for i in range(len(args.caches))]
             axis.bar(positions, speeds, width=1 / (len(args.impl) + 1), label=name)
-        axis.set_xticks([i + 0.5 - 1 / (len(args.impl) + 1) for i in range(len(args.caches))], args.caches)
+        axis.set_xticks([i + (len(args.impl) - 1) / (2 * (len(args.impl) + 1)) for i in range(len(args.caches))],
+                      args.caches)
         axis.set(ylabel="generated tokens/s", title=f"batch {batch}")
         axis.legend(fontsize=7)
     figure.suptitle(f"T5 generation, {common.device_name()}")
@@ -173,8 +174,7 @@ def main():
     reference.cpu()
     rows, fat5_tokens = [], {}
     for name in args.impl:
-        model = common.build_model(name, reference).to(common.device())
-        status = common.logit_check(name, model, batch, expected)
+        model, status = common.checked_model(name, reference, batch, expected)
         if status is None:
             rows += generate_rows(name, model, args, fat5_tokens)
         else:

@@ -2,6 +2,7 @@
 
     python benchmarks/attention.py                  # H100/H200: T5-base heads, bf16, 32k tokens a batch
     python benchmarks/attention.py --smoke          # CPU, Triton interpreter: checks the script end to end
+    python benchmarks/attention.py --decode         # one decoder step (Lq = 1) against a Lk-long cache
 
 Implementations (all use FAT5's `relative_position_bucket`, so they compute the same function):
     fat5                 FAT5 kernel, bias computed in the kernel, gradient to the bucket table
@@ -10,6 +11,8 @@ Implementations (all use FAT5's `relative_position_bucket`, so they compute the 
     flex_lut             FlexAttention (torch.compile), score_mod reading an (H, 2L - 1) relative-position table
     sdpa_nobias          SDPA without any bias (flash backend): the ceiling, not a T5
 FLOPs: forward 4·B·H·L²·D (half of it when causal); forward+backward counts 3.5× the forward.
+--decode times one generation step instead (fat5 with q_offset = Lk - 1, sdpa_dense_bias with the bias row
+transformers builds, sdpa_nobias as the bar to reach), in microseconds, batch 1 and 32, Lk = 512...8192.
 """
 
 import argparse
@@ -35,6 +38,7 @@ from fat5.kernels.flash_attention_t5 import flash_attention_t5  # noqa: E402
 
 NUM_BUCKETS, MAX_DISTANCE = 32, 128
 IMPLEMENTATIONS = ("fat5", "sdpa_dense_bias", "sdpa_efficient_bias", "flex_lut", "sdpa_nobias")
+DECODE_IMPLEMENTATIONS = ("fat5", "sdpa_dense_bias", "sdpa_nobias")
 
 
 def dense_bias(table, length, causal):
@@ -83,6 +87,63 @@ def run(name, q, k, v, table, causal):
         with sdpa_kernel(backends):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=1.0)
     raise ValueError(f"unknown implementation {name}")
+
+
+def decode_step(name, q, k, v, table):
+    """One decoder self-attention step: Lq new queries at positions Lk - Lq... against a cache of Lk keys."""
+    query_length, key_length = q.shape[2], k.shape[2]
+    past = key_length - query_length
+    if name == "fat5":
+        return flash_attention_t5(q, k, v, bias_table=table, bidirectional=False, num_buckets=NUM_BUCKETS,
+                                  max_distance=MAX_DISTANCE, causal=True, q_offset=past)
+    if name == "sdpa_dense_bias":
+        positions = torch.arange(key_length, device=q.device)
+        relative = positions[None, :] - positions[past:, None]
+        bias = table[relative_position_bucket(relative, False, NUM_BUCKETS, MAX_DISTANCE)].permute(2, 0, 1)[None]
+        bias = bias.masked_fill(relative > 0, float("-inf")).to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
+    if name == "sdpa_nobias":  # one query sees the whole cache: no mask at all
+        return F.scaled_dot_product_attention(q, k, v, scale=1.0)
+    raise ValueError(f"decode has no implementation {name}")
+
+
+def decode(args, stamp):
+    """Rows (pass "decode") for every Lk, batch and implementation, and their markdown table."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype)
+    names = [n for n in args.impl if n in DECODE_IMPLEMENTATIONS]
+    rows, lines = [], [f"### decode step, {device_name()}, {stamp}", "",
+                       f"torch {torch.__version__}, triton {triton.__version__}; H={args.heads}, D={args.head_dim}, "
+                       f"{args.dtype}, one new query against Lk cached keys; microseconds (median).", "",
+                       "| batch | Lk | " + " | ".join(names) + " | fat5 / sdpa_nobias time |",
+                       "|" + " --- |" * (len(names) + 3)]
+    for batch in args.decode_batches:
+        for key_length in args.decode_lengths:
+            generator = torch.Generator(device=device).manual_seed(0)
+            q = torch.randn(batch, args.heads, 1, args.head_dim, device=device, dtype=dtype, generator=generator)
+            k, v = (torch.randn(batch, args.heads, key_length, args.head_dim, device=device, dtype=dtype,
+                                generator=generator) for _ in range(2))
+            table = torch.randn(NUM_BUCKETS, args.heads, device=device, generator=generator)
+            with torch.no_grad():
+                ours = decode_step("fat5", q, k, v, table).float()
+                cells, times = [], {}
+                for name in names:
+                    row = dict(implementation=name, L=key_length, batch=batch, causal=True, **{"pass": "decode"},
+                               tflops=None, ms=None, peak_mib=None, status="ok")
+                    try:
+                        difference = (decode_step(name, q, k, v, table).float() - ours).abs().max().item()
+                        if name == "sdpa_dense_bias" and difference > (5e-2 if args.dtype != "float32" else 1e-3):
+                            row["status"] = f"mismatch: max|out - fat5| = {difference:.3g}"
+                        row["ms"] = common.time_ms(lambda: decode_step(name, q, k, v, table), args.reps, args.warmup)
+                        times[name] = row["ms"]
+                    except torch.cuda.OutOfMemoryError:
+                        row["status"] = "oom"
+                    cells.append(f"{row['ms'] * 1e3:.1f}" if row["status"] == "ok" else row["status"].split(":")[0])
+                    rows.append(row)
+                    print(f"  decode batch={batch} Lk={key_length} {name:16s} {cells[-1]} us {row['status']}")
+            ratio = f"{times['fat5'] / times['sdpa_nobias']:.2f}" if {"fat5", "sdpa_nobias"} <= set(times) else "-"
+            lines.append(f"| {batch} | {key_length} | " + " | ".join(cells) + f" | {ratio} |")
+    return rows, "\n".join(lines) + "\n"
 
 
 def measure(name, batch, length, args, causal, passes):
@@ -222,11 +283,17 @@ def parse_args():
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--update-results", action="store_true", help=f"append the table to {common.RESULTS}")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script itself")
+    parser.add_argument("--decode", action="store_true", help="time one generation step instead (Lq = 1)")
+    parser.add_argument("--decode-lengths", default="512,1024,2048,4096,8192", help="cache lengths Lk")
+    parser.add_argument("--decode-batches", default="1,32")
     args = parser.parse_args()
     if args.smoke:
         args.lengths, args.heads, args.head_dim, args.tokens = "32,48", 2, 32, 96
         args.dtype, args.reps, args.warmup, args.peer_max_length = "float32", 1, 0, 48
+        args.decode_lengths, args.decode_batches = "24", "1"
     args.lengths = [int(length) for length in args.lengths.split(",")]
+    args.decode_lengths = [int(length) for length in args.decode_lengths.split(",")]
+    args.decode_batches = [int(batch) for batch in args.decode_batches.split(",")]
     args.impl = [name.strip() for name in args.impl.split(",")]
     unknown = sorted(set(args.impl) - set(IMPLEMENTATIONS))
     if unknown:
@@ -241,6 +308,9 @@ def main():
     print(f"{device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
           f"transformers {transformers.__version__} | {stamp}")
     rows = []
+    if args.decode:
+        rows, table = decode(args, stamp)
+        causal_values = ()
     for causal in causal_values:
         for length in args.lengths:
             batch = max(1, args.tokens // length)
@@ -259,12 +329,13 @@ def main():
                     peak = f"peak {row['peak_mib']} MiB" if row["peak_mib"] is not None else ""
                     print(f"  {name:20s} {row['pass']:8s} {speed} {peak} {row['status']}")
                 rows.extend(new_rows)
-    table = markdown(rows, args, stamp)
+    if not args.decode:
+        table = markdown(rows, args, stamp)
     print("\n" + table)
     settings = dict(heads=args.heads, head_dim=args.head_dim, dtype=args.dtype, tokens=args.tokens,
                     reps=args.reps, warmup=args.warmup)
-    raw = common.write_rows("attention", rows, settings, args.out_dir)
-    if not args.no_plot:
+    raw = common.write_rows("attention_decode" if args.decode else "attention", rows, settings, args.out_dir)
+    if not args.no_plot and not args.decode:
         plot(rows, args, raw.with_suffix(".png"))
     if args.update_results:
         common.append_results(table)

@@ -3,22 +3,30 @@
 FAT5 keeps T5's parameter names, so the mapping is mostly the identity; what this module adds is the proof:
 every source tensor is either mapped or a known redundant copy (checked equal), every target tensor is filled
 with the right shape, and anything else is an error that names the tensor. Tensors are read one at a time
-(safetensors slices, or a memory-mapped `pytorch_model.bin`), so peak memory is about one tensor.
+(each safetensors file is opened for one tensor and closed again, so the pages read are released; a
+`pytorch_model.bin` is memory-mapped), so peak memory is about one tensor. Every tensor is checked finite.
 """
 
+import contextlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from convert.cli import UserError
 from fat5.configuration_fat5 import FAT5Config
 from fat5.modeling_fat5 import FAT5ForConditionalGeneration
 
 SUPPORTED_MODEL_TYPES = ("t5", "mt5", "umt5")
-# What each family's config class assumes when config.json omits the key.
+# What each family's config class assumes when config.json omits the key (transformers 4).
 TIE_WORD_EMBEDDINGS_DEFAULT = {"t5": True, "mt5": False, "umt5": True}
+# Whether transformers 5 scales the decoder output by d_model**-0.5 before the LM head, per model_type: its T5
+# records the choice as `scale_decoder_outputs`; its mT5 never scales; its umT5 scales whenever
+# `tie_word_embeddings`, which its config class forces to True.
+RESCALE_IN_TRANSFORMERS_5 = {"mt5": False, "umt5": True}
 # T5 config fields FAT5 takes over unchanged.
 COPIED_FIELDS = (
     "vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
@@ -33,7 +41,7 @@ EMBEDDING_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"
 UNUSED_SOURCE_TENSORS = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",)
 
 
-class ConversionError(Exception):
+class ConversionError(UserError):
     """A checkpoint that cannot be converted faithfully; the message names the culprit."""
 
 
@@ -50,17 +58,36 @@ class TensorSource:
                     raise ConversionError(f"tensor {name} appears in both {self._location[name].name} and {file.name}")
                 self._location[name] = file
 
+        if self._index is not None:
+            index_name, weight_map = self._index
+            for name, file in weight_map.items():
+                if self._location.get(name, self.folder / file) != self.folder / file:
+                    raise ConversionError(f"{index_name} puts tensor {name} in {file}, but it is in "
+                                          f"{self._location[name].name}")
+            missing = sorted(set(weight_map) - set(self._location))
+            if missing:
+                raise ConversionError(f"{index_name} lists tensor {missing[0]}, which no shard holds")
+            unlisted = sorted(set(self._location) - set(weight_map))
+            if unlisted:
+                raise ConversionError(f"{index_name} omits tensor {unlisted[0]}, which "
+                                      f"{self._location[unlisted[0]].name} holds")
+
     def _weight_files(self):
+        self._index = None
         for single, index in (("model.safetensors", "model.safetensors.index.json"),
                               ("pytorch_model.bin", "pytorch_model.bin.index.json")):
             if (self.folder / index).is_file():
-                weight_map = _read_json(self.folder / index).get("weight_map")
+                weight_map = read_json_object(self.folder / index).get("weight_map")
                 if not isinstance(weight_map, dict):
-                    raise ConversionError(f"{self.folder / index} has no weight_map")
+                    raise ConversionError(f"{index} has no weight_map object")
+                bad = [name for name, file in weight_map.items() if not isinstance(file, str) or "/" in file]
+                if bad:
+                    raise ConversionError(f"{index}: weight_map[{bad[0]!r}] is not a shard file name")
                 files = [self.folder / name for name in sorted(set(weight_map.values()))]
                 missing = [file.name for file in files if not file.is_file()]
                 if missing:
                     raise ConversionError(f"{index} lists missing shard(s): {', '.join(missing)}")
+                self._index = (index, weight_map)
                 return files
             if (self.folder / single).is_file():
                 return [self.folder / single]
@@ -76,8 +103,29 @@ class TensorSource:
                     # mmap: tensors are read from disk only when touched.
                     self._handles[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
             except Exception as error:  # safetensors and torch raise several unrelated types for bad files
-                raise ConversionError(f"cannot read {file.name}: corrupt or truncated weights ({error})") from error
+                raise ConversionError(f"cannot read {file.name}: corrupt or truncated weights "
+                                      f"({first_line(error)})") from error
+            if isinstance(self._handles[file], dict):
+                entries = self._handles[file].items()
+                odd = next((name for name, value in entries if not isinstance(value, torch.Tensor)), None)
+                if odd is not None:
+                    raise ConversionError(f"{file.name} holds {odd!r}, which is not a tensor: not a state dict")
+            elif not isinstance(self._handles[file], safe_open):
+                raise ConversionError(f"{file.name} is not a state dict")
         return self._handles[file]
+
+    def release(self, name):
+        """Forget the pages of `name`'s file: reopening a safetensors file per tensor unmaps the previous
+        tensor's pages, and the page cache is told it may drop them, so memory stays about one tensor."""
+        file = self._location[name]
+        if file.suffix == ".safetensors" and file in self._handles:
+            del self._handles[file]
+            if hasattr(os, "posix_fadvise"):
+                descriptor = os.open(file, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(descriptor)
 
     def names(self):
         return list(self._location)
@@ -100,7 +148,8 @@ class TensorSource:
             tensor = handle[name] if isinstance(handle, dict) else handle.get_tensor(name)
             return tensor.clone() if isinstance(handle, dict) else tensor
         except Exception as error:  # reading past a truncated file raises from the safetensors/torch backends
-            raise ConversionError(f"cannot read tensor {name}: corrupt or truncated weights ({error})") from error
+            raise ConversionError(f"cannot read tensor {name}: corrupt or truncated weights "
+                                  f"({first_line(error)})") from error
 
 
 @dataclass
@@ -116,23 +165,50 @@ class ConversionPlan:
     shapes: dict = field(default_factory=dict)  # target name -> shape
 
 
-def _read_json(path):
+def first_line(error):
+    """The first line of an exception's message (libraries raise multi-line ones), or its type's name."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def read_json_object(path):
+    """A JSON object from `path`; anything else is a one-line ConversionError."""
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ConversionError(f"cannot read {path}: {error}") from error
+        value = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConversionError(f"cannot read {path}: {first_line(error)}") from error
+    if not isinstance(value, dict):
+        raise ConversionError(f"{path} is not a JSON object")
+    return value
+
+
+def writer_is_transformers_5(source_config):
+    """Whether the checkpoint's config.json was written by transformers 5 (it records its version)."""
+    version = str(source_config.get("transformers_version", "4"))
+    return version.split(".")[0].isdigit() and int(version.split(".")[0]) >= 5
+
+
+def scales_decoder_output(source_config):
+    """Whether the transformers version that wrote the checkpoint multiplies the decoder output by
+    d_model**-0.5 before the LM head: the weights were trained (or fine-tuned) with that choice."""
+    model_type = source_config["model_type"]
+    tied = source_config.get("tie_word_embeddings", TIE_WORD_EMBEDDINGS_DEFAULT[model_type])
+    if not writer_is_transformers_5(source_config):
+        return bool(tied)  # transformers 4: every family scales exactly when the config ties the embeddings
+    if model_type == "t5":
+        return bool(source_config.get("scale_decoder_outputs", tied is not False))
+    return RESCALE_IN_TRANSFORMERS_5[model_type]
 
 
 def fat5_config_from_t5(source_config, lm_head_tied):
-    """FAT5Config for a T5 / mT5 / umT5 config dict; `lm_head_tied` comes from the weights themselves."""
+    """FAT5Config for a T5 / mT5 / umT5 config dict; `lm_head_tied` comes from the weights themselves, the
+    output rescale from what the transformers version that wrote config.json does."""
     model_type = source_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConversionError(f"unsupported model_type {model_type!r}: supported are {', '.join(SUPPORTED_MODEL_TYPES)} "
                               "(FLAN-T5, T5 v1.1 and ByT5 are model_type t5)")
     fields = {name: source_config[name] for name in COPIED_FIELDS if source_config.get(name) is not None}
-    # transformers 5 writes the v1.0 rescale explicitly (and forces tie_word_embeddings=True in the config);
-    # otherwise T5 rescales exactly when the LM head is the embedding.
-    scale = source_config.get("scale_decoder_outputs", lm_head_tied)
+    scale = scales_decoder_output(source_config)
     try:
         return FAT5Config(
             **fields,
@@ -142,8 +218,8 @@ def fat5_config_from_t5(source_config, lm_head_tied):
             relative_bias_per_layer=model_type == "umt5",
             architectures=["FAT5ForConditionalGeneration"],
         )
-    except ValueError as error:
-        raise ConversionError(f"inconsistent source config: {error}") from error
+    except (ValueError, TypeError) as error:
+        raise ConversionError(f"inconsistent source config: {first_line(error)}") from error
 
 
 def plan_conversion(folder):
@@ -153,7 +229,7 @@ def plan_conversion(folder):
         raise ConversionError(f"{folder} is not a directory")
     if not (folder / "config.json").is_file():
         raise ConversionError(f"{folder} has no config.json")
-    source_config = _read_json(folder / "config.json")
+    source_config = read_json_object(folder / "config.json")
     if source_config.get("model_type") not in SUPPORTED_MODEL_TYPES:
         fat5_config_from_t5(source_config, True)  # raises the unsupported-type error
     source = TensorSource(folder)
@@ -197,15 +273,22 @@ def plan_conversion(folder):
                           redundant=redundant, ignored=unused, shapes=shapes)
 
 
-def iter_converted_tensors(plan, dtype=None):
-    """Yield (FAT5 name, tensor) one at a time; check each redundant copy against its original first."""
+def iter_converted_tensors(plan, dtype=None, allow_non_finite=False):
+    """Yield (FAT5 name, tensor) one at a time, each checked finite (after the cast to `dtype`, which can
+    overflow); check each redundant copy against its original first."""
     for copy, original in plan.redundant.items():
         if not torch.equal(plan.source.get(copy), plan.source.get(original)):
             raise ConversionError(f"{copy} differs from {original}: the checkpoint is not a tied T5")
+        plan.source.release(copy)
     for target_name, source_name in plan.mapping.items():
         tensor = plan.source.get(source_name)
+        plan.source.release(source_name)
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
+        if not allow_non_finite and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            cast = f" after the cast to {str(tensor.dtype).removeprefix('torch.')}" if dtype is not None else ""
+            raise ConversionError(f"tensor {source_name} has NaN or infinite values{cast} "
+                                  "(--allow-non-finite converts it anyway)")
         yield target_name, tensor.contiguous()
 
 
@@ -216,15 +299,41 @@ def convert_checkpoint(folder, dtype=None):
     return plan.config, dict(iter_converted_tensors(plan, dtype))
 
 
+@contextlib.contextmanager
+def _expected_untied_warning_silenced(source_config):
+    """transformers 5 forces tie_word_embeddings=True on T5 configs, then warns that an untied checkpoint (FLAN-T5,
+    mT5) "will NOT tie"; it does not, which is right. Drop that one warning when config.json says untied."""
+    import logging
+
+    def drop(record):
+        return "NOT tie" not in record.getMessage()
+
+    logger = logging.getLogger("transformers.modeling_utils")
+    untied = source_config.get("tie_word_embeddings") is False
+    if untied:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
 def load_source_model(folder, dtype=None):
-    """The transformers model of a T5-family checkpoint folder, in eval mode: the reference FAT5 must match."""
+    """The transformers model of a T5-family checkpoint folder, in eval mode: the reference FAT5 must match.
+
+    The installed transformers may scale the decoder output differently from the version that wrote the
+    checkpoint (transformers 5's mT5 never does, its umT5 always does); the scale is applied here as the writer
+    did, in a hook before the LM head, after turning the installed model's own choice off.
+    """
     from transformers import AutoModelForSeq2SeqLM
 
-    model = AutoModelForSeq2SeqLM.from_pretrained(folder, dtype=dtype).eval()
-    source_config = _read_json(Path(folder) / "config.json")
-    if source_config["model_type"] == "umt5":
-        # transformers 5 forces tie_word_embeddings=True for UMT5 and then rescales the decoder output of
-        # untied checkpoints; umT5 itself (and transformers 4) does not. Restore the checkpoint's flag.
-        model.config.tie_word_embeddings = source_config.get("tie_word_embeddings",
-                                                             TIE_WORD_EMBEDDINGS_DEFAULT["umt5"])
+    source_config = read_json_object(Path(folder) / "config.json")
+    with _expected_untied_warning_silenced(source_config):
+        model = AutoModelForSeq2SeqLM.from_pretrained(folder, dtype=dtype).eval()
+    # Read only by the output rescale once the weights are loaded (and tied).
+    model.config.tie_word_embeddings = False
+    model.config.scale_decoder_outputs = False
+    if scales_decoder_output(source_config):
+        factor = model.config.d_model**-0.5
+        model.lm_head.register_forward_pre_hook(lambda module, args: (args[0] * factor, *args[1:]))
     return model

@@ -1,5 +1,6 @@
 """Write a converted checkpoint as a self-contained Hub repo folder, atomically, and prove its parity."""
 
+import gc
 import json
 import re
 import shutil
@@ -12,21 +13,12 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 import fat5
-from convert.checkpoint import SAFETENSORS_DTYPES, iter_converted_tensors, load_source_model
-from convert.hub import custom_pipelines_entry, render_model_card
+from convert.checkpoint import (SAFETENSORS_DTYPES, first_line, iter_converted_tensors, load_source_model,
+                                read_json_object)
+from convert.cli import UserError
+from convert.hub import render_model_card
+from fat5.remote_code_fat5 import mark_as_package, write_remote_code
 
-PACKAGE_DIR = Path(fat5.__file__).parent
-# Remote code, flattened: transformers resolves only same-folder relative imports in a checkpoint.
-REMOTE_CODE_FILES = {
-    "configuration_fat5.py": PACKAGE_DIR / "configuration_fat5.py",
-    "modeling_fat5.py": PACKAGE_DIR / "modeling_fat5.py",
-    "attention_fat5.py": PACKAGE_DIR / "attention_fat5.py",
-    "pipeline_fat5.py": PACKAGE_DIR / "pipeline_fat5.py",
-    "flash_attention_t5.py": PACKAGE_DIR / "kernels" / "flash_attention_t5.py",
-}
-# In the package, kernels live in fat5/kernels/; in the flat folder they sit beside the model.
-NESTED_IMPORT = re.compile(r"^(\s*from\s+)(?:\.kernels\.|\.\.)(\w+\s+import\b)", re.MULTILINE)
-RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\S+)\s+import", re.MULTILINE)
 TOKENIZER_FILES = ("spiece.model", "sentencepiece.bpe.model", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json")
 SAFETENSORS_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
@@ -36,7 +28,7 @@ PARITY_TEXTS = ("translate English to German: The house is wonderful.", "summari
                 "owning a dog is good for you", "cola sentence: The course is jumping well.")
 
 
-class ExportError(Exception):
+class ExportError(UserError):
     """The output folder cannot be written or fails its checks; the message says why."""
 
 
@@ -57,7 +49,7 @@ def _shard_names(count):
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
-def write_safetensors_streaming(plan, folder, dtype, max_shard_size):
+def write_safetensors_streaming(plan, folder, dtype, max_shard_size, allow_non_finite=False):
     """Write the converted tensors as (sharded) safetensors, one tensor in memory at a time.
 
     safetensors' own writer takes a whole dict of tensors; its file format is simple enough (a JSON header of
@@ -80,7 +72,7 @@ def write_safetensors_streaming(plan, folder, dtype, max_shard_size):
     shards.append(current)
     names = _shard_names(len(shards))
     weight_map = {}
-    tensors = iter_converted_tensors(plan, dtype)
+    tensors = iter_converted_tensors(plan, dtype, allow_non_finite)
     with tqdm(total=len(entries), desc="Converting tensors", unit="tensor") as progress:
         for shard, file_name in zip(shards, names):
             header, offset = {"__metadata__": {"format": "pt"}}, 0
@@ -107,23 +99,10 @@ def write_safetensors_streaming(plan, folder, dtype, max_shard_size):
     return names
 
 
-def write_remote_code(folder):
-    """Copy FAT5's code flat into `folder` and check every relative import resolves inside it."""
-    for flat_name, source in REMOTE_CODE_FILES.items():
-        (folder / flat_name).write_text(NESTED_IMPORT.sub(r"\1.\2", source.read_text()))
-    for flat_name in REMOTE_CODE_FILES:
-        for module in RELATIVE_IMPORT.findall((folder / flat_name).read_text()):
-            if not (folder / f"{module}.py").is_file():
-                raise ExportError(f"{flat_name} imports .{module}, which is not in the exported folder")
-
-
 def export_config(plan, folder, dtype, attention_backend):
     config = plan.config
     config.attention_backend = attention_backend
-    config.auto_map = {"AutoConfig": "configuration_fat5.FAT5Config"}
-    config.auto_map.update({auto.__name__: f"modeling_fat5.{model.__name__}"
-                            for auto, model in fat5.AUTO_CLASSES.items()})
-    config.custom_pipelines = custom_pipelines_entry()
+    mark_as_package(config)
     stored = dtype or next(iter_converted_tensors_dtype(plan))
     config.dtype = stored
     config.save_pretrained(folder)
@@ -160,8 +139,7 @@ def verify_parity(source_folder, folder, dtype):
     from transformers import AutoTokenizer
 
     source = load_source_model(source_folder, dtype=dtype)
-    converted = fat5.FAT5ForConditionalGeneration.from_pretrained(folder, dtype=dtype).eval()
-    converted.config.attention_backend = "eager"
+    config = source.config
     if (folder / "tokenizer_config.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(folder)
         batch = tokenizer(list(PARITY_TEXTS), padding=True, return_tensors="pt")
@@ -171,7 +149,7 @@ def verify_parity(source_folder, folder, dtype):
         batch["decoder_attention_mask"] = labels.attention_mask
     else:  # the source has no tokenizer files: random token ids
         generator = torch.Generator().manual_seed(0)
-        vocab = converted.config.vocab_size
+        vocab = config.vocab_size
         batch = {"input_ids": torch.randint(2, vocab, (2, 17), generator=generator),
                  "attention_mask": torch.ones(2, 17, dtype=torch.long),
                  "decoder_input_ids": torch.randint(2, vocab, (2, 9), generator=generator),
@@ -180,11 +158,18 @@ def verify_parity(source_folder, folder, dtype):
         sample = "2 random padded sequences"
     with torch.no_grad():
         expected = source(**batch).logits.float()
+    # One model in memory at a time: the source goes before the converted folder is loaded.
+    del source
+    gc.collect()
+    converted = fat5.FAT5ForConditionalGeneration.from_pretrained(folder, dtype=dtype).eval()
+    converted.config.attention_backend = "eager"
+    with torch.no_grad():
         actual = converted(**batch).logits.float()
     real = batch["decoder_attention_mask"].bool()
     difference = (expected - actual)[real].abs().max().item()
     stored = converted.shared.weight.dtype
-    tolerance = PARITY_TOLERANCE[stored] * max(1.0, expected[real].abs().max().item())
+    del converted
+    tolerance = PARITY_TOLERANCE[stored] * expected[real].abs().max().item()
     sample = f"{sample}, {str(stored).removeprefix('torch.')}"
     if not difference <= tolerance:
         raise ExportError(f"parity check failed: max |logits difference| {difference:.3g} > tolerance "
@@ -193,60 +178,65 @@ def verify_parity(source_folder, folder, dtype):
 
 
 def source_card_metadata(source_folder):
-    """license and language of the source's model card, when it has one."""
+    """license and language of the source's model card, when it has one; a card whose YAML header cannot be
+    read is a one-line error."""
+    import yaml
     from huggingface_hub import ModelCard
 
     readme = Path(source_folder) / "README.md"
     if not readme.is_file():
         return {}
-    data = ModelCard.load(readme).data
+    try:
+        data = ModelCard.load(readme).data
+    except (ValueError, yaml.YAMLError) as error:
+        raise ExportError(f"the source's README.md has an unreadable metadata header: {first_line(error)}") \
+            from error
     return {"license": data.get("license"), "language": data.get("language")}
 
 
-def export(plan, source_folder, out, *, dtype=None, attention_backend="auto", max_shard_size="5GB",
-           overwrite=False, verify=True, base_model=None, convert_command=None, repo_id=None):
-    """Write the FAT5 folder for `plan` at `out`. It appears complete or not at all."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise ExportError(f"{out} exists and is not empty (use --overwrite to replace it)")
+def validate_side_files(source_folder):
+    """Check, before any heavy work, every source file the export parses: the JSON tokenizer and generation
+    files and the model card. Returns the card's metadata."""
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
+        if name.endswith(".json") and (Path(source_folder) / name).is_file():
+            read_json_object(Path(source_folder) / name)
+    return source_card_metadata(source_folder)
+
+
+def check_card_renders(card):
+    """Render the model card once into a scratch folder, so a broken template fails before the conversion."""
+    import jinja2
+    import yaml
+
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            render_model_card(scratch, **card, parity_max_abs_diff=None, parity_sample=None)
+        except (jinja2.TemplateError, yaml.YAMLError, ValueError, OSError) as error:
+            raise ExportError(f"the model card template does not render: {first_line(error)}") from error
+
+
+def export(plan, source_folder, output, *, dtype=None, attention_backend="auto", max_shard_size="5GB",
+           verify=True, allow_non_finite=False, base_model=None, source_name=None, convert_command=None,
+           repo_id=None):
+    """Write the FAT5 folder for `plan` through `output` (a convert.safety.AtomicOutput): it appears complete
+    and verified, or not at all. Returns (max |logits difference|, sample description), or (None, None)."""
     max_bytes = parse_size(max_shard_size)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        write_safetensors_streaming(plan, staging, dtype, max_bytes)
+    metadata = validate_side_files(source_folder)
+    card = dict(base_model=base_model, source_name=source_name, license=metadata.get("license"),
+                language=metadata.get("language"), family=plan.source_config["model_type"],
+                num_parameters=sum(torch.Size(shape).numel() for shape in plan.shapes.values()),
+                repo_id=repo_id, convert_command=convert_command)
+    check_card_renders(card)
+    with output as staging:
+        write_safetensors_streaming(plan, staging, dtype, max_bytes, allow_non_finite)
         export_config(plan, staging, dtype, attention_backend)
         copy_side_files(source_folder, staging, plan.config)
         write_remote_code(staging)
         difference, sample = verify_parity(source_folder, staging, dtype) if verify else (None, None)
-        metadata = source_card_metadata(source_folder)
-        family = plan.source_config["model_type"]
-        num_parameters = sum(torch.Size(shape).numel() for shape in plan.shapes.values())
-        render_model_card(staging, base_model=base_model, license=metadata.get("license"), family=family,
-                          num_parameters=num_parameters, parity_max_abs_diff=difference, parity_sample=sample,
-                          language=metadata.get("language"), repo_id=repo_id, convert_command=convert_command)
-        _replace_atomically(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        render_model_card(staging, **card, parity_max_abs_diff=difference, parity_sample=sample)
+        output.commit()
     return difference, sample
 
 
-def _replace_atomically(staging, out):
-    """Rename the finished staging folder onto `out` (same filesystem, so the rename is atomic)."""
-    if out.exists():
-        retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        out.rename(retired / out.name)
-        try:
-            staging.rename(out)
-        except OSError:
-            (retired / out.name).rename(out)
-            raise
-        finally:
-            shutil.rmtree(retired, ignore_errors=True)
-    else:
-        staging.rename(out)
-
-
-__all__ = ["ExportError", "export", "parse_size", "write_remote_code", "write_safetensors_streaming",
-           "verify_parity"]
+__all__ = ["ExportError", "export", "parse_size", "validate_side_files", "write_remote_code",
+           "write_safetensors_streaming", "verify_parity"]

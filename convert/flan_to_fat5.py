@@ -9,28 +9,20 @@ reloaded to check its logits against the source before it appears.
 """
 
 import argparse
+import re
 import shlex
 import sys
 from pathlib import Path
 
-import torch
+from convert.cli import CliParser, UserError, exit_with, run
 
-from convert.checkpoint import ConversionError, plan_conversion
-from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
-from convert.export import ExportError, export, parse_size
-from convert.hub import PushError, check_push_credentials, push_to_hub
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Heavy modules (torch, transformers) are imported inside `convert`, where Ctrl-C is handled.
+DTYPES = ("bfloat16", "float16", "float32")
 DEMO_OUTPUT = Path("fat5-demo")
 # Files worth downloading from a Hub repo: config, weights, tokenizer, generation config, card.
 SOURCE_PATTERNS = ["*.json", "*.safetensors", "*.model", "README.md", "LICENSE*"]
 SOURCE_PATTERNS_BIN = SOURCE_PATTERNS + ["pytorch_model*.bin"]
-
-
-class CliParser(argparse.ArgumentParser):
-    def error(self, message):
-        # One line, no usage dump: bad input gets one clear error line.
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9]")
 
 
 def build_parser():
@@ -41,17 +33,24 @@ def build_parser():
     parser.add_argument("src", nargs="?", metavar="SRC",
                         help="local checkpoint folder (config.json + safetensors or pytorch_model.bin, single or "
                              "sharded) or a Hub model id such as google/flan-t5-small")
-    parser.add_argument("out", nargs="?", metavar="OUT", help="output folder (created; must be empty or absent)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES),
-                        help="store the weights in this dtype (default: the source's)")
+    parser.add_argument("out", nargs="?", metavar="OUT",
+                        help="output folder (created; must be empty or absent, and outside SRC)")
+    parser.add_argument("--dtype", choices=DTYPES, help="store the weights in this dtype (default: the source's)")
     parser.add_argument("--attn-implementation", default="auto", choices=["auto", "eager", "sdpa", "triton"],
                         help="attention backend saved in the config: auto = Triton kernel on CUDA, SDPA "
                              "elsewhere (default: auto)")
     parser.add_argument("--max-shard-size", default="5GB",
                         help="largest safetensors shard, e.g. 5GB, 500MB (default: 5GB)")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists and is not empty")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace OUT if it exists and is not empty (atomically: OUT is always either the "
+                             "old or the new folder)")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip reloading OUT and comparing its logits with the source model")
+    parser.add_argument("--allow-non-finite", action="store_true",
+                        help="convert tensors holding NaN or infinite values instead of refusing them")
+    parser.add_argument("--base-model", metavar="HUB_ID",
+                        help="Hub id of the source model, for the model card (default: SRC when it is a Hub id, "
+                             "else the source config's _name_or_path when that is one)")
     parser.add_argument("--push-to-hub", metavar="REPO_ID", help="upload OUT to this Hub model repo")
     parser.add_argument("--private", action="store_true", help="create the Hub repo as private")
     parser.add_argument("--revision", help="branch of the Hub repo to push to (and of SRC to download)")
@@ -65,10 +64,10 @@ def resolve_source(src, revision, token):
     path = Path(src)
     if path.exists():
         if not path.is_dir():
-            raise ConversionError(f"SRC {src} is not a directory")
+            raise UserError(f"SRC {src} is not a directory")
         return path, None
     if path.is_absolute() or src.startswith(".") or src.count("/") > 1:
-        raise ConversionError(f"SRC {src} does not exist")
+        raise UserError(f"SRC {src} does not exist")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
@@ -78,13 +77,22 @@ def resolve_source(src, revision, token):
             folder = snapshot_download(src, revision=revision, token=token, allow_patterns=SOURCE_PATTERNS_BIN)
     except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, OSError, ValueError) as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ConversionError(f"SRC {src} is neither a local folder nor a downloadable Hub model: {message}") \
+        raise UserError(f"SRC {src} is neither a local folder nor a downloadable Hub model: {message}") \
             from error
     return Path(folder), src
 
 
+def base_model_id(explicit, hub_id, source_config):
+    """The source's Hub id, when knowable: --base-model, SRC given as a Hub id, or the config's _name_or_path."""
+    name = source_config.get("_name_or_path")
+    from_config = name if isinstance(name, str) and HUB_ID.fullmatch(name) and not Path(name).exists() else None
+    return explicit or hub_id or from_config
+
+
 def run_demo_pipeline(out):
     from transformers import pipeline
+
+    from convert.demo import DEMO_PROMPTS
 
     generator = pipeline("text2text-generation", model=str(out), trust_remote_code=True)
     for prompt, expected in DEMO_PROMPTS:
@@ -92,45 +100,50 @@ def run_demo_pipeline(out):
         print(f"  {prompt!r} -> {text!r}" + ("" if text == expected else f"   (expected {expected!r})"))
 
 
-def main(argv=None):
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def convert(args, progress, argv=None):
     demo = args.src is None and args.out is None
     if args.src is not None and args.out is None:
-        parser.error("OUT is required when SRC is given")
+        raise UserError("OUT is required when SRC is given")
+    import torch
+
+    from convert.checkpoint import plan_conversion
+    from convert.demo import DEMO_CHECKPOINT
+    from convert.export import export, parse_size
+    from convert.hub import check_push_access, push_to_hub
+    from convert.safety import AtomicOutput
+
     src, out = (str(DEMO_CHECKPOINT), DEMO_OUTPUT) if demo else (args.src, Path(args.out))
-    try:
-        parse_size(args.max_shard_size)
-        if args.push_to_hub:
-            # Fail on missing credentials or network before spending time converting.
-            check_push_credentials(args.token)
-        source_folder, hub_id = resolve_source(src, args.revision, args.token)
-        plan = plan_conversion(source_folder)
-        print(f"Converting {src} ({plan.source_config['model_type']}, {len(plan.mapping)} tensors) -> {out}")
-        command = "python -m convert.flan_to_fat5" + ("" if demo else " " + shlex.join(sys.argv[1:] if argv is None
-                                                                                          else argv))
-        difference, sample = export(plan, source_folder, out, dtype=DTYPES.get(args.dtype),
-                                    attention_backend=args.attn_implementation, max_shard_size=args.max_shard_size,
-                                    overwrite=args.overwrite or demo, verify=not args.no_verify,
-                                    base_model=hub_id, convert_command=command, repo_id=args.push_to_hub)
-        if difference is not None:
-            print(f"Parity: max |logits difference| = {difference:.3g} ({sample})")
-        print(f"Wrote {out}")
-        if args.push_to_hub:
-            url = push_to_hub(out, args.push_to_hub, private=args.private, revision=args.revision,
-                              create_pr=args.create_pr, token=args.token)
-            print(f"Pushed to {url}")
-        if demo:
-            print("text2text-generation pipeline on the converted demo model:")
-            run_demo_pipeline(out)
-    except (ConversionError, ExportError, PushError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted: nothing was written", file=sys.stderr)
-        return 130
-    return 0
+    parse_size(args.max_shard_size)
+    if args.push_to_hub:
+        # Fail on missing credentials or network before spending time converting.
+        check_push_access(args.push_to_hub, args.token)
+    source_folder, hub_id = resolve_source(src, args.revision, args.token)
+    progress.output = AtomicOutput(source_folder, out, overwrite=args.overwrite or demo)
+    plan = plan_conversion(source_folder)
+    print(f"Converting {src} ({plan.source_config['model_type']}, {len(plan.mapping)} tensors) -> {out}")
+    command = "python -m convert.flan_to_fat5" + ("" if demo else " " + shlex.join(sys.argv[1:] if argv is None
+                                                                                      else argv))
+    difference, sample = export(
+        plan, source_folder, progress.output, dtype=getattr(torch, args.dtype) if args.dtype else None,
+        attention_backend=args.attn_implementation, max_shard_size=args.max_shard_size, verify=not args.no_verify,
+        allow_non_finite=args.allow_non_finite,
+        base_model=base_model_id(args.base_model, hub_id, plan.source_config),
+        source_name=Path(source_folder).resolve().name, convert_command=command, repo_id=args.push_to_hub)
+    if difference is not None:
+        print(f"Parity: max |logits difference| = {difference:.3g} ({sample})")
+    print(f"Wrote {out}: {progress.describe()}")
+    if args.push_to_hub:
+        url = push_to_hub(out, args.push_to_hub, private=args.private, revision=args.revision,
+                          create_pr=args.create_pr, token=args.token)
+        print(f"Pushed to {url}")
+    if demo:
+        print("text2text-generation pipeline on the converted demo model:")
+        run_demo_pipeline(out)
+
+
+def main(argv=None):
+    return run(lambda args, progress: convert(args, progress, argv), build_parser(), argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -1,19 +1,22 @@
 """Hub side of an export: the model card, the custom pipeline entry of config.json, and the upload.
 
-Nothing here touches the network except `push_to_hub`, which checks credentials first and turns every failure
-(offline mode included) into a one-line `PushError`.
+Nothing here touches the network except `check_push_access` (run before converting) and `push_to_hub`; both turn
+every failure (offline mode included) into a one-line `PushError`.
 """
 
 import importlib
 import importlib.util
+from contextlib import contextmanager
 from pathlib import Path
 
 import huggingface_hub
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 
+from convert.cli import UserError
+from fat5.remote_code_fat5 import PIPELINE_TASK, custom_pipelines_entry  # noqa: F401  (re-exported)
+
 MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "fat5_model_card.md"
-PIPELINE_TASK = "text2text-generation"
 
 # Base errors of the HTTP clients huggingface_hub has used: httpx2 (2.x, connection errors are
 # httpx2.ConnectError), httpx (1.x), requests (0.x). Only the installed ones are caught.
@@ -24,25 +27,8 @@ _CLIENT_ERRORS = tuple(
 )
 
 
-class PushError(Exception):
+class PushError(UserError):
     """An upload to the Hub failed; the message is one line saying why."""
-
-
-def custom_pipelines_entry():
-    """The `custom_pipelines` value of config.json that makes `pipeline(..., trust_remote_code=True)` load
-    `pipeline_fat5.py` from the checkpoint folder.
-
-    The keys are what `PIPELINE_REGISTRY.register_pipeline` + `Pipeline.save_pretrained` write on transformers
-    4.57 (5.x writes the same without "tf", and ignores it when reading).
-    """
-    return {
-        PIPELINE_TASK: {
-            "impl": "pipeline_fat5.FAT5Text2TextGenerationPipeline",
-            "pt": ["AutoModelForSeq2SeqLM"],
-            "tf": [],
-            "type": "text",
-        }
-    }
 
 
 def _human_count(num_parameters):
@@ -52,12 +38,9 @@ def _human_count(num_parameters):
     return str(num_parameters)
 
 
-def _model_name(repo_id, base_model, family):
-    if repo_id:
-        return repo_id.split("/")[-1]
-    if base_model:
-        return f"{base_model.split('/')[-1]} (FAT5)"
-    return f"FAT5 {family}"
+def _title(base_model, source_name, family):
+    source = base_model or source_name
+    return f"FAT5 conversion of {source}" if source else f"FAT5 {family}"
 
 
 def render_model_card(
@@ -73,13 +56,15 @@ def render_model_card(
     extra_tags=(),
     repo_id=None,
     convert_command=None,
+    source_name=None,
 ):
     """Writes `out_dir/README.md` from the FAT5 template and returns its path. Offline: the card is not validated.
 
     base_model: source checkpoint id, or None. license: carried from the source, or None when unknown.
     family: "t5", "flan-t5", "mt5"... parity_max_abs_diff: largest |logits FAT5 - logits source| measured on
     parity_sample, or None when not measured (a short description of the inputs and dtype). repo_id: the id the snippets load (defaults to
-    a local path placeholder). convert_command: the command line that produced the folder.
+    a local path placeholder). convert_command: the command line that produced the folder. source_name: what the
+    title names when there is no base_model (e.g. the source folder's name).
     """
     tags = list(dict.fromkeys(["fat5", "custom_code", "t5", family, *extra_tags]))
     card_data = ModelCardData(
@@ -93,7 +78,7 @@ def render_model_card(
     card = ModelCard.from_template(
         card_data,
         template_path=str(MODEL_CARD_TEMPLATE),
-        model_name=_model_name(repo_id, base_model, family),
+        model_name=_title(base_model, source_name, family),
         model_id=repo_id or "path/to/this/folder",
         family=family,
         parameters=_human_count(num_parameters),
@@ -122,6 +107,35 @@ def check_push_credentials(token=None):
     return token
 
 
+def check_push_access(repo_id, token=None):
+    """Before converting: a token exists and the Hub accepts it (`whoami`), and `repo_id` is a valid id.
+    Raises PushError with one line (offline mode included)."""
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise PushError(f"cannot push to {repo_id}: invalid repo id: {_first_line(error)}") from error
+    api = HfApi(token=check_push_credentials(token))
+    with _hub_errors(repo_id):
+        api.whoami()
+
+
+@contextmanager
+def _hub_errors(repo_id):
+    """Every failure of a Hub call as a one-line PushError."""
+    try:
+        yield
+    except OfflineModeIsEnabled as error:
+        raise PushError(f"cannot push to {repo_id}: {_first_line(error)}") from error
+    except HFValidationError as error:
+        raise PushError(f"cannot push to {repo_id}: invalid repo id or revision: {_first_line(error)}") from error
+    except HfHubHTTPError as error:
+        raise PushError(f"push to {repo_id} failed: the Hub answered {_first_line(error)}") from error
+    except _CLIENT_ERRORS as error:
+        raise PushError(f"push to {repo_id} failed: cannot reach the Hub ({_first_line(error)})") from error
+
+
 def push_to_hub(
     folder,
     repo_id,
@@ -136,7 +150,7 @@ def push_to_hub(
     if not Path(folder).is_dir():
         raise PushError(f"cannot push {folder}: not a directory")
     api = HfApi(token=check_push_credentials(token))
-    try:
+    with _hub_errors(repo_id):
         api.create_repo(repo_id, private=private, exist_ok=True)
         commit = api.upload_folder(
             repo_id=repo_id,
@@ -145,12 +159,4 @@ def push_to_hub(
             create_pr=create_pr,
             commit_message=commit_message,
         )
-    except OfflineModeIsEnabled as error:
-        raise PushError(f"cannot push to {repo_id}: {_first_line(error)}") from error
-    except HFValidationError as error:
-        raise PushError(f"cannot push to {repo_id}: invalid repo id or revision: {_first_line(error)}") from error
-    except HfHubHTTPError as error:
-        raise PushError(f"push to {repo_id} failed: the Hub answered {_first_line(error)}") from error
-    except _CLIENT_ERRORS as error:
-        raise PushError(f"push to {repo_id} failed: cannot reach the Hub ({_first_line(error)})") from error
     return commit.commit_url

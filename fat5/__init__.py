@@ -23,6 +23,7 @@ from .modeling_fat5 import (
     FAT5Model,
     FAT5PreTrainedModel,
 )
+from .pipeline_fat5 import FAT5Text2TextGenerationPipeline, text2text_pipeline
 
 # Auto class -> FAT5 class; also the `auto_map` an exported checkpoint declares.
 AUTO_CLASSES = {
@@ -47,4 +48,6 @@ __all__ = [
     "FAT5ForTokenClassification",
     "FAT5ForQuestionAnswering",
     "AUTO_CLASSES",
+    "FAT5Text2TextGenerationPipeline",
+    "text2text_pipeline",
 ]

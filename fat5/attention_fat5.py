@@ -12,9 +12,15 @@ Shared contract (all backends):
     key_padding_mask (B, Lk) bool, True = attend; masks keys, never queries
     causal          key j is visible to query i only if ``j <= i + q_offset``
     scale           T5 uses 1.0 (no 1/sqrt(d)); other position encodings usually use D**-0.5
+    query_segment_ids (B, Lq), key_segment_ids (B, Lk): packed rows (both or neither); key j is visible to query
+                    i only if both carry the same segment id and it is not 0 (padding). Segments are contiguous,
+                    so within one segment ``j - i`` already is the relative position counted from the segment's
+                    start: T5 buckets and ALiBi restart at every segment with no extra input (RoPE and FIRE take
+                    `segment_positions` from the model)
     Rows that see no key at all return zeros.
 """
 
+import functools
 import math
 
 import torch
@@ -74,7 +80,8 @@ def dense_bias(query_length, key_length, *, bias_table=None, bidirectional=True,
     return bias
 
 
-def visibility_mask(query_length, key_length, *, key_padding_mask=None, causal=False, q_offset=0, device=None):
+def visibility_mask(query_length, key_length, *, key_padding_mask=None, causal=False, q_offset=0,
+                    query_segment_ids=None, key_segment_ids=None, device=None):
     """Boolean (B | 1, 1, Lq | 1, Lk) mask of visible keys, or None when every key is visible."""
     visible = None
     if causal:
@@ -82,13 +89,70 @@ def visibility_mask(query_length, key_length, *, key_padding_mask=None, causal=F
     if key_padding_mask is not None:
         keys = key_padding_mask.to(torch.bool)[:, None, None, :]
         visible = keys if visible is None else visible & keys
+    if (query_segment_ids is None) != (key_segment_ids is None):
+        raise ValueError("pass query_segment_ids and key_segment_ids together")
+    if key_segment_ids is not None:
+        same = (query_segment_ids[:, None, :, None] == key_segment_ids[:, None, None, :]) \
+            & (key_segment_ids[:, None, None, :] > 0)
+        visible = same if visible is None else visible & same
     return visible
+
+
+def segment_positions(segment_ids):
+    """(B, L) position of every token counted from the start of its segment (a contiguous run of one id)."""
+    index = torch.arange(segment_ids.shape[-1], device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return index - first
+
+
+class PackedSegments:
+    """Segment ids of one attention's queries and keys (one per model forward, shared by its layers), and the
+    packed "varlen" layout a kernel needs, built on first use: segment s of row b becomes one sequence."""
+
+    def __init__(self, query_segment_ids, key_segment_ids):
+        self.query_segment_ids = query_segment_ids
+        self.key_segment_ids = key_segment_ids
+
+    @functools.cached_property
+    def varlen(self):
+        """Row indices of non-padding tokens in (B * L) order, cu_seqlens and max lengths for queries and keys.
+        Needs ids that increase along each row with padding last (the model checks this)."""
+        query_ids, key_ids = self.query_segment_ids, self.key_segment_ids
+        batch = query_ids.shape[0]
+        num_ids = int(max(query_ids.max(), key_ids.max())) + 1
+        row_offset = torch.arange(batch, device=query_ids.device)[:, None] * num_ids
+
+        def lengths(ids):
+            counts = torch.bincount((ids + row_offset).flatten(), minlength=batch * num_ids)
+            return counts.view(batch, num_ids)[:, 1:].flatten()
+
+        query_lengths, key_lengths = lengths(query_ids), lengths(key_ids)
+        if bool(((query_lengths > 0) & (key_lengths == 0)).any()):
+            raise ValueError("a query segment has no key with its segment id (e.g. a decoder segment whose "
+                             "example has no encoder tokens)")
+        kept = (query_lengths > 0) | (key_lengths > 0)
+        query_lengths, key_lengths = query_lengths[kept], key_lengths[kept]
+
+        def cumulative(lengths):
+            return F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+
+        return {
+            "query_index": query_ids.flatten().nonzero().squeeze(1),
+            "key_index": key_ids.flatten().nonzero().squeeze(1),
+            "cu_seqlens_q": cumulative(query_lengths),
+            "cu_seqlens_k": cumulative(key_lengths),
+            "max_seqlen_q": int(query_lengths.max()),
+            "max_seqlen_k": int(key_lengths.max()),
+        }
 
 
 def eager_attention(query, key, value, *, bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
                     alibi_slopes=None, position_bias=None, key_padding_mask=None, causal=False, q_offset=0,
-                    scale=1.0, dropout_p=0.0):
-    """Plain-torch reference: materialises scores and bias; exact in any dtype (fp64 in kernel tests)."""
+                    scale=1.0, dropout_p=0.0, query_segment_ids=None, key_segment_ids=None, return_weights=False):
+    """Plain-torch reference: materialises scores and bias; exact in any dtype (fp64 in kernel tests).
+    With return_weights, also returns the attention probabilities (B, H, Lq, Lk) (output_attentions)."""
     query_length, key_length = query.shape[-2], key.shape[-2]
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
     bias = dense_bias(query_length, key_length, bias_table=bias_table, bidirectional=bidirectional,
@@ -97,7 +161,8 @@ def eager_attention(query, key, value, *, bias_table=None, bidirectional=True, n
     if bias is not None:
         scores = scores + bias.to(scores.dtype)
     visible = visibility_mask(query_length, key_length, key_padding_mask=key_padding_mask, causal=causal,
-                              q_offset=q_offset, device=query.device)
+                              q_offset=q_offset, query_segment_ids=query_segment_ids,
+                              key_segment_ids=key_segment_ids, device=query.device)
     # Softmax in at least fp32; finfo.min rather than -inf keeps fully-masked rows finite and NaN-free.
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
     if visible is not None:
@@ -106,22 +171,24 @@ def eager_attention(query, key, value, *, bias_table=None, bidirectional=True, n
     if visible is not None:
         probs = probs * visible.any(dim=-1, keepdim=True)
     probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
-    return torch.matmul(probs, value)
+    output = torch.matmul(probs, value)
+    return (output, probs) if return_weights else output
 
 
 def sdpa_attention(query, key, value, *, bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
                    alibi_slopes=None, position_bias=None, key_padding_mask=None, causal=False, q_offset=0,
-                   scale=1.0, dropout_p=0.0):
+                   scale=1.0, dropout_p=0.0, query_segment_ids=None, key_segment_ids=None):
     """torch SDPA. Without a bias it keeps a boolean mask (or is_causal), so flash/efficient kernels apply."""
     query_length, key_length = query.shape[-2], key.shape[-2]
     bias = dense_bias(query_length, key_length, bias_table=bias_table, bidirectional=bidirectional,
                       num_buckets=num_buckets, max_distance=max_distance, alibi_slopes=alibi_slopes,
                       position_bias=position_bias, q_offset=q_offset, device=query.device)
-    use_is_causal = causal and bias is None and key_padding_mask is None and q_offset == 0 \
-        and query_length == key_length
+    # q_offset is a tensor when it comes from a static cache: no is_causal shortcut then.
+    use_is_causal = causal and bias is None and key_padding_mask is None and isinstance(q_offset, int) \
+        and q_offset == 0 and query_length == key_length and key_segment_ids is None
     visible = None if use_is_causal else visibility_mask(
         query_length, key_length, key_padding_mask=key_padding_mask, causal=causal, q_offset=q_offset,
-        device=query.device)
+        query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids, device=query.device)
     mask = None if bias is None else bias.to(query.dtype)
     if visible is not None:
         # An additive finfo.min mask (not a boolean one) keeps fully-masked rows finite on every SDPA backend.

@@ -1,5 +1,7 @@
 """FAT5 configuration: T5's fields, plus the position encoding and attention backend choices."""
 
+import copy
+
 from transformers import PretrainedConfig
 
 POSITION_ENCODING_TYPES = ("t5", "rope", "alibi", "fire", "none")
@@ -31,6 +33,13 @@ class FAT5Config(PretrainedConfig):
         Parameters of RoPE and FIRE.
     z_loss (`float`), label_smoothing (`float`):
         Extra terms of the language-modelling loss (z-loss as in PaLM: `z_loss * logsumexp(logits)**2`).
+    return_logits_in_training (`bool`, defaults to `False`):
+        In training, `FAT5ForConditionalGeneration` computes the LM head and its loss chunk by chunk without
+        materialising the logits, and returns `logits=None`. Set True to get the logits (full-vocabulary fp32
+        memory). Evaluation (`model.eval()`) always returns them.
+    lm_loss_implementation (`str`, defaults to `"chunked"`):
+        `"chunked"`: FAT5's chunked linear cross-entropy (any device). `"liger"`: liger-kernel's fused linear
+        cross-entropy (CUDA only, `pip install fat5[liger]`).
     """
 
     model_type = "fat5"
@@ -71,6 +80,8 @@ class FAT5Config(PretrainedConfig):
         fire_init_threshold=512.0,
         z_loss=0.0,
         label_smoothing=0.0,
+        return_logits_in_training=False,
+        lm_loss_implementation="chunked",
         is_encoder_decoder=True,
         use_cache=True,
         pad_token_id=0,
@@ -104,6 +115,8 @@ class FAT5Config(PretrainedConfig):
         self.fire_init_threshold = fire_init_threshold
         self.z_loss = z_loss
         self.label_smoothing = label_smoothing
+        self.return_logits_in_training = return_logits_in_training
+        self.lm_loss_implementation = lm_loss_implementation
         self.use_cache = use_cache
         # T5 starts decoding from the pad token.
         decoder_start_token_id = pad_token_id if decoder_start_token_id is None else decoder_start_token_id
@@ -121,6 +134,22 @@ class FAT5Config(PretrainedConfig):
         # transformers 4.x reads the tie flag from the config object, 5.x from the init kwarg; set both.
         self.tie_word_embeddings = tie_word_embeddings
         self._validate_fat5()
+
+    def __setattr__(self, key, value):
+        # Checked on every assignment, so `from_pretrained(..., attention_backend=...)` (which sets attributes
+        # after __init__) fails at load time rather than at the first forward.
+        if key == "attention_backend" and value not in ATTENTION_BACKENDS:
+            raise ValueError(f"FAT5Config.attention_backend: {value!r} is not one of {ATTENTION_BACKENDS}")
+        super().__setattr__(key, value)
+
+    def get_text_config(self, decoder=None, encoder=None):
+        """transformers sizes generation caches from `get_text_config(decoder=True).num_hidden_layers`, which is
+        the encoder's depth here (as in T5): report the decoder's, so a decoder deeper than its encoder generates."""
+        text_config = super().get_text_config(decoder=decoder, encoder=encoder)
+        if decoder and not encoder and text_config.num_layers != self.num_decoder_layers:
+            text_config = copy.deepcopy(text_config) if text_config is self else text_config
+            text_config.num_layers = self.num_decoder_layers
+        return text_config
 
     @property
     def is_gated_act(self):
@@ -169,6 +198,8 @@ class FAT5Config(PretrainedConfig):
                 fail(field, f"must be in [0, 1), got {getattr(self, field)!r}")
         if self.z_loss < 0:
             fail("z_loss", f"must be >= 0, got {self.z_loss!r}")
+        if self.lm_loss_implementation not in ("chunked", "liger"):
+            fail("lm_loss_implementation", f"{self.lm_loss_implementation!r} is not one of ('chunked', 'liger')")
         if self.attention_scale <= 0:
             fail("attention_scale", f"must be > 0, got {self.attention_scale!r}")
         if self.pad_token_id is None or self.decoder_start_token_id is None:

@@ -5,8 +5,10 @@ Parameter names are transformers' T5 names (`shared`, `q,k,v,o`, `wi`/`wi_0`/`wi
 goes through one seam (`attention_fat5`): layers hand q, k, v and the small position parameters to a backend.
 """
 
+import contextlib
 import functools
 import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +27,17 @@ from transformers.modeling_outputs import (
     TokenClassifierOutput,
 )
 
-from .attention_fat5 import alibi_slopes, eager_attention, relative_positions, sdpa_attention
+from .attention_fat5 import (
+    PackedSegments,
+    alibi_slopes,
+    eager_attention,
+    relative_positions,
+    sdpa_attention,
+    segment_positions,
+)
 from .configuration_fat5 import FAT5Config
+from .kernels.linear_cross_entropy import linear_cross_entropy, seq2seq_lm_loss
+from .remote_code_fat5 import mark_as_package, save_as_package
 
 try:
     from transformers import initialization as init  # transformers 5: skips tensors loaded from a checkpoint
@@ -36,11 +47,26 @@ except ImportError:  # transformers 4.x only initialises modules whose weights a
 TRITON_HEAD_DIMS = (32, 64, 128)
 
 
-def triton_attention(query, key, value, **kwargs):
+def triton_attention(query, key, value, segments=None, **kwargs):
     # Imported lazily: the kernel needs triton, which CPU-only installs lack.
-    from .kernels.flash_attention_t5 import flash_attention_t5
+    from .kernels.flash_attention_t5 import flash_attention_t5, flash_attention_t5_varlen
 
-    return flash_attention_t5(query, key, value, **kwargs)
+    if segments is None:
+        return flash_attention_t5(query, key, value, **kwargs)
+    # Packed rows: drop padding, run each segment as one varlen sequence, put the rows back (padding rows = 0).
+    if kwargs.pop("key_padding_mask") is not None or kwargs.pop("q_offset") != 0:
+        raise ValueError("packed attention takes its padding from the segment ids and has no cache offset")
+    layout = segments.varlen
+    batch, heads, query_length, head_dim = query.shape
+
+    def unpad(states, index):
+        return states.transpose(1, 2).reshape(-1, heads, head_dim).index_select(0, index)
+
+    output = flash_attention_t5_varlen(
+        unpad(query, layout["query_index"]), unpad(key, layout["key_index"]), unpad(value, layout["key_index"]),
+        layout["cu_seqlens_q"], layout["cu_seqlens_k"], layout["max_seqlen_q"], layout["max_seqlen_k"], **kwargs)
+    padded = output.new_zeros(batch * query_length, heads, head_dim).index_copy(0, layout["query_index"], output)
+    return padded.view(batch, query_length, heads, head_dim).transpose(1, 2)
 
 
 ATTENTION_FUNCTIONS = {"eager": eager_attention, "sdpa": sdpa_attention, "triton": triton_attention}
@@ -59,6 +85,10 @@ def select_attention_backend(config, query, needs_dense_bias, dropout_p):
             "attention_backend='triton' has no attention dropout and no FIRE bias: set "
             "config.attention_dropout_rate=0.0 (or call model.eval()), or use attention_backend='sdpa'"
         )
+    if backend == "triton" and query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"attention_backend='triton' runs the Triton kernel, which needs CUDA tensors; got a {query.device.type} "
+            "tensor. Use attention_backend='auto' (the kernel on CUDA, SDPA elsewhere) or 'sdpa'")
     if backend != "auto":
         return backend
     if getattr(config, "_attn_implementation", None) == "eager":
@@ -67,6 +97,15 @@ def select_attention_backend(config, query, needs_dense_bias, dropout_p):
             and triton_installed()):
         return "triton"
     return "sdpa"
+
+
+def _backend_with_weights(config):
+    if config.attention_backend not in ("auto", "eager"):
+        raise ValueError(
+            f"output_attentions=True needs the eager attention backend, the only one that materialises attention "
+            f"weights; this model uses attention_backend={config.attention_backend!r}. Call "
+            "model.set_attn_implementation('eager') (or load with attn_implementation='eager') first")
+    return "eager"
 
 
 def t5_linear(in_features, out_features, init_std, bias=False):
@@ -91,11 +130,22 @@ class FAT5LayerNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states):
-        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
-            hidden_states = hidden_states.to(self.weight.dtype)
-        return self.weight * hidden_states
+        if hidden_states.is_cuda and triton_installed():
+            # One fused Triton kernel instead of several elementwise ones; same casting.
+            from .kernels.rms_norm import rms_norm
+
+            return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        return t5_rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def t5_rms_norm(hidden_states, weight, eps):
+    """T5LayerNorm's math (the reference of the Triton kernel): x * rsqrt(mean(x**2) + eps) with the statistics
+    in fp32, cast to the weight's dtype when it is half precision, then times the weight."""
+    variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + eps)
+    if weight.dtype in (torch.float16, torch.bfloat16):
+        hidden_states = hidden_states.to(weight.dtype)
+    return weight * hidden_states
 
 
 class FAT5DenseActDense(nn.Module):
@@ -153,14 +203,19 @@ class FAT5FIREBias(nn.Module):
         self.c = nn.Parameter(torch.tensor(config.fire_init_c))
         self.threshold = nn.Parameter(torch.tensor(config.fire_init_threshold))
 
-    def forward(self, query_length, key_length, q_offset, device):
-        relative = relative_positions(query_length, key_length, q_offset, device).float()
+    def forward(self, query_length, key_length, q_offset, device, positions=None):
+        """(1, H, Lq, Lk) bias; (B, H, L, L) for packed rows, whose (B, L) `positions` restart at each segment."""
+        if positions is None:
+            relative = relative_positions(query_length, key_length, q_offset, device).float()[None]
+            query_position = (torch.arange(query_length, device=device, dtype=torch.float32) + q_offset)[None]
+        else:
+            query_position = positions.float()
+            relative = query_position[:, None, :] - query_position[:, :, None]
         c = self.c.abs()
-        query_position = torch.arange(query_length, device=device, dtype=torch.float32) + q_offset
-        normaliser = torch.log(c * torch.maximum(self.threshold.abs(), query_position + 1) + 1)[:, None]
+        normaliser = torch.log(c * torch.maximum(self.threshold.abs(), query_position + 1) + 1)[..., None]
         distance = torch.sign(relative) * torch.log(c * relative.abs() + 1) / normaliser
-        bias = self.mlp_out(F.relu(self.mlp_in(distance.unsqueeze(-1))))  # (Lq, Lk, H)
-        return bias.permute(2, 0, 1).unsqueeze(0)
+        bias = self.mlp_out(F.relu(self.mlp_in(distance.unsqueeze(-1))))  # (1 | B, Lq, Lk, H)
+        return bias.permute(0, 3, 1, 2)
 
 
 def rotate_half(x):
@@ -169,9 +224,9 @@ def rotate_half(x):
 
 
 def rotary_cos_sin(positions, dim, theta, device):
-    """cos/sin of shape (L, dim) for RoPE, computed in fp32 so long positions stay distinct."""
+    """cos/sin of shape (*positions.shape, dim) for RoPE, in fp32 so long positions stay distinct."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = positions.to(torch.float32)[..., None] * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
@@ -225,6 +280,7 @@ class FAT5Attention(nn.Module):
                     key, value = cache.update(key, value, self.layer_idx)
                     past_key_values.is_updated[self.layer_idx] = True
             bias_kwargs, q_offset = {}, 0
+            segments = position.get("cross_segments")
         else:
             key = self._project(self.k, hidden_states)
             value = self._project(self.v, hidden_states)
@@ -232,11 +288,15 @@ class FAT5Attention(nn.Module):
                 cos, sin = position["rotary"]
                 query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
             if past_key_values is not None:
-                key, value = past_key_values.self_attention_cache.update(key, value, self.layer_idx)
+                # cache_position tells transformers 4.x's static cache where to write (5.x counts itself).
+                key, value = past_key_values.self_attention_cache.update(
+                    key, value, self.layer_idx, cache_kwargs={"cache_position": position["cache_position"]})
             q_offset = position.get("q_offset", 0)
+            segments = position.get("segments")
             bias_kwargs = {name: position[name] for name in ("alibi_slopes", "position_bias") if name in position}
-            table = self.relative_attention_bias.weight if hasattr(self, "relative_attention_bias") else \
-                position.get("bias_table")
+            table = position.get("bias_table")
+            if table is None and hasattr(self, "relative_attention_bias"):
+                table = self.relative_attention_bias.weight  # called on its own, outside FAT5Block
             if table is not None:
                 bias_kwargs.update(bias_table=table, bidirectional=not self.is_decoder,
                                    num_buckets=self.config.relative_attention_num_buckets,
@@ -245,10 +305,23 @@ class FAT5Attention(nn.Module):
         dropout_p = self.config.attention_dropout_rate if self.training else 0.0
         backend = select_attention_backend(self.config, query, "position_bias" in bias_kwargs, dropout_p)
         extra = {} if backend == "triton" else {"dropout_p": dropout_p}
+        if backend == "triton" and isinstance(q_offset, torch.Tensor):
+            q_offset = int(q_offset)  # a static cache's counter; the kernel takes the offset as a scalar
+        weights_sink = position.get("attention_weights")
+        if weights_sink is not None:
+            # output_attentions: only the eager reference materialises the probabilities.
+            backend = _backend_with_weights(self.config)
+            extra = {"dropout_p": dropout_p, "return_weights": True}
+        if segments is not None:
+            extra.update({"segments": segments} if backend == "triton" else {
+                "query_segment_ids": segments.query_segment_ids, "key_segment_ids": segments.key_segment_ids})
         output = ATTENTION_FUNCTIONS[backend](
             query, key, value, key_padding_mask=key_padding_mask,
             causal=self.is_decoder and not self.is_cross_attention, q_offset=q_offset,
             scale=self.config.attention_scale, **bias_kwargs, **extra)
+        if weights_sink is not None:
+            output, weights = output
+            weights_sink.append(weights)
         batch, _, length, _ = output.shape
         return self.o(output.transpose(1, 2).reshape(batch, length, self.inner_dim))
 
@@ -275,9 +348,11 @@ class FAT5LayerCrossAttention(nn.Module):
         self.layer_norm = FAT5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = nn.Dropout(config.dropout_rate)
 
-    def forward(self, hidden_states, encoder_hidden_states, encoder_key_padding_mask, past_key_values):
+    def forward(self, hidden_states, encoder_hidden_states, encoder_key_padding_mask, past_key_values,
+                position=None):
         attention = self.EncDecAttention(self.layer_norm(hidden_states), key_value_states=encoder_hidden_states,
-                                         key_padding_mask=encoder_key_padding_mask, past_key_values=past_key_values)
+                                         key_padding_mask=encoder_key_padding_mask, position=position,
+                                         past_key_values=past_key_values)
         return hidden_states + self.dropout(attention)
 
 
@@ -292,12 +367,28 @@ class FAT5Block(GradientCheckpointingLayer):
         self.layer.append(FAT5LayerFF(config))
 
     def forward(self, hidden_states, key_padding_mask=None, encoder_hidden_states=None,
-                encoder_key_padding_mask=None, position=None, past_key_values=None):
+                encoder_key_padding_mask=None, position=None, past_key_values=None, bias_table=None):
+        """`bias_table`: the relative-bias table of the stack's first block, for the blocks that share it. It is a
+        positional tensor argument, not a `position` entry, so (reentrant) gradient checkpointing tracks it."""
+        attention = self.layer[0].SelfAttention
+        table = None
+        if hasattr(attention, "relative_attention_bias"):
+            # Read through the embedding's forward, not `.weight`, so ZeRO-3 gathers it while this block runs.
+            buckets = torch.arange(attention.config.relative_attention_num_buckets, device=hidden_states.device)
+            table = attention.relative_attention_bias(buckets)
+            position = {**(position or {}), "bias_table": table}
+        elif bias_table is not None:
+            position = {**(position or {}), "bias_table": bias_table}
         hidden_states = self.layer[0](hidden_states, key_padding_mask, position, past_key_values)
         if self.is_decoder and encoder_hidden_states is not None:
             hidden_states = self.layer[1](hidden_states, encoder_hidden_states, encoder_key_padding_mask,
-                                          past_key_values)
-        return self.layer[-1](hidden_states)
+                                          past_key_values, position)
+        hidden_states = self.layer[-1](hidden_states)
+        if table is not None and not attention.config.relative_bias_per_layer:
+            # This table serves every layer of the stack. It leaves the block as an output, so sharding engines
+            # (FSDP per block, ZeRO-3) route the later layers' gradient back through this block.
+            return hidden_states, table
+        return hidden_states
 
 
 class FAT5Stack(nn.Module):
@@ -326,27 +417,35 @@ class FAT5Stack(nn.Module):
     def set_input_embeddings(self, embed_tokens):
         self.__dict__["embed_tokens"] = embed_tokens
 
-    def _position_inputs(self, query_length, key_length, q_offset, device):
-        """Small per-forward position parameters shared by every layer (never an (L, L) T5 bias)."""
+    def _position_inputs(self, query_length, key_length, q_offset, device, positions=None):
+        """Small per-forward position parameters shared by every layer (never an (L, L) T5 bias). `positions`
+        (B, L): per-segment positions of a packed batch (T5 and ALiBi need none: see `attention_fat5`)."""
         config = self.config
-        position = {"q_offset": q_offset}
+        position = {"q_offset": q_offset,
+                    "cache_position": torch.arange(query_length, device=device) + q_offset}
         kind = config.position_encoding_type
         first_attention = self.block[0].layer[0].SelfAttention if len(self.block) else None
-        if kind == "t5" and first_attention is not None:
-            position["bias_table"] = first_attention.relative_attention_bias.weight
-        elif kind == "alibi":
+        if kind == "alibi":
             position["alibi_slopes"] = alibi_slopes(config.num_heads).to(device)
         elif kind == "fire" and first_attention is not None:
-            position["position_bias"] = first_attention.fire(query_length, key_length, q_offset, device)
+            position["position_bias"] = first_attention.fire(query_length, key_length, q_offset, device, positions)
         elif kind == "rope":
-            positions = torch.arange(query_length, device=device) + q_offset
-            position["rotary"] = rotary_cos_sin(positions, config.d_kv, config.rope_theta, device)
+            if positions is None:
+                position["rotary"] = rotary_cos_sin(torch.arange(query_length, device=device) + q_offset,
+                                                    config.d_kv, config.rope_theta, device)
+            else:
+                cos, sin = rotary_cos_sin(positions, config.d_kv, config.rope_theta, device)
+                position["rotary"] = cos[:, None], sin[:, None]  # (B, 1, L, D) against (B, H, L, D)
         return position
 
     def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 inputs_embeds=None, past_key_values=None, use_cache=None, output_hidden_states=None,
-                return_dict=True, **kwargs):
+                output_attentions=None, return_dict=True, segment_ids=None, encoder_segment_ids=None, **kwargs):
         if (input_ids is None) == (inputs_embeds is None):
+            if self.is_decoder:
+                raise ValueError("You have to specify either decoder_input_ids or decoder_inputs_embeds (or labels, "
+                                 "from which FAT5ForConditionalGeneration makes them); for encoder features alone, "
+                                 "use FAT5EncoderModel or model.get_encoder()")
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -356,30 +455,115 @@ class FAT5Stack(nn.Module):
         elif use_cache and past_key_values is None:
             past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
         q_offset = past_key_values.get_seq_length() if past_key_values is not None else 0
-        key_length = q_offset + length
+        if isinstance(q_offset, torch.Tensor):
+            # A static cache's own counter, which its update() advances in place during this forward.
+            q_offset = q_offset.clone()
+        static_length = _static_cache_length(past_key_values)
+        key_length = q_offset + length if static_length is None else static_length
+        if attention_mask is not None and attention_mask.dim() == 4 and self.is_decoder:
+            attention_mask = _key_mask_from_causal_mask(attention_mask)
+        if static_length is not None and attention_mask is not None and attention_mask.shape[-1] < static_length:
+            # A static cache returns all its slots; the ones not yet written are future keys, hidden by causality.
+            attention_mask = F.pad(attention_mask, (0, static_length - attention_mask.shape[-1]), value=1)
         key_padding_mask = _key_mask(attention_mask, batch, key_length, "attention_mask")
         encoder_key_padding_mask = None
         if encoder_hidden_states is not None:
             encoder_key_padding_mask = _key_mask(encoder_attention_mask, batch, encoder_hidden_states.shape[1],
                                                  "encoder_attention_mask")
-        position = self._position_inputs(length, key_length, q_offset, inputs_embeds.device)
+        packed = _packed_segments(segment_ids, attention_mask, encoder_segment_ids, encoder_attention_mask,
+                                  encoder_hidden_states, batch, length, q_offset, self.is_decoder)
+        positions = None
+        if packed:
+            key_padding_mask = encoder_key_padding_mask = None  # the segment ids carry the padding
+            positions = segment_positions(packed["segments"].query_segment_ids)
+        position = self._position_inputs(length, key_length, q_offset, inputs_embeds.device, positions)
+        position.update(packed)
 
         hidden_states = self.dropout(inputs_embeds)
         if hidden_states.dtype == torch.float16:
             # fp16 overflows in T5's residual stream (FFN outputs reach 1e5): carry the residual in fp32.
             hidden_states = hidden_states.float()
         all_hidden_states = () if output_hidden_states else None
+        bias_table = None  # set by the first block when the stack shares its relative-bias table
+        all_attentions = () if output_attentions else None
+        all_cross_attentions = () if output_attentions and encoder_hidden_states is not None else None
         for block in self.block:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
+            if output_attentions:
+                position["attention_weights"] = []  # each attention of the block appends its weights
             hidden_states = block(hidden_states, key_padding_mask, encoder_hidden_states, encoder_key_padding_mask,
-                                  position, past_key_values)
+                                  position, past_key_values, bias_table)
+            if isinstance(hidden_states, tuple):
+                hidden_states, bias_table = hidden_states
+            if output_attentions:
+                all_attentions += (position["attention_weights"][0],)
+                if all_cross_attentions is not None:
+                    all_cross_attentions += (position["attention_weights"][1],)
         hidden_states = self.dropout(self.final_layer_norm(hidden_states))
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
-        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states,
-                                                         past_key_values=past_key_values,
-                                                         hidden_states=all_hidden_states)
+        output = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states,
+                                                           past_key_values=past_key_values,
+                                                           hidden_states=all_hidden_states,
+                                                           attentions=all_attentions,
+                                                           cross_attentions=all_cross_attentions)
+        return output if return_dict is not False else output.to_tuple()
+
+
+def _static_cache_length(past_key_values):
+    """Length of the keys a static (compileable) self-attention cache returns (all its slots), else None."""
+    cache = getattr(past_key_values, "self_attention_cache", None)
+    if cache is None or not getattr(cache, "is_compileable", False):
+        return None
+    # transformers 5 names it get_max_length, 4.x get_max_cache_shape.
+    max_length = getattr(cache, "get_max_length", None) or cache.get_max_cache_shape
+    return max_length()
+
+
+def _key_mask_from_causal_mask(mask):
+    """(B, Lk) key mask from a causal (B, 1, Lq, Lk) mask as transformers builds them (bool: True = attend, or
+    additive: 0 = attend). The last query row sees every key up to it, so it holds the keys' padding; causality
+    itself is applied by the attention."""
+    last_row = mask[:, 0, -1, :]
+    return last_row if last_row.dtype == torch.bool else last_row == 0
+
+
+def _checked_segment_ids(segment_ids, mask, batch, length, name):
+    """Segment ids with masked positions set to padding (0), checked for the layout packing needs."""
+    if tuple(segment_ids.shape) != (batch, length):
+        raise ValueError(f"{name} must have shape (batch, length) = {(batch, length)}, got {tuple(segment_ids.shape)}")
+    segment_ids = segment_ids.long()
+    if mask is not None:
+        segment_ids = segment_ids * mask.to(torch.bool)
+    previous, following = segment_ids[:, :-1], segment_ids[:, 1:]
+    if bool((segment_ids < 0).any() | ((following != 0) & ((following < previous) | (previous == 0))).any()):
+        raise ValueError(f"{name} must number each row's examples 1, 2, ... in order, each example's tokens "
+                         f"contiguous, padding (0, or attention mask 0) only at the end of the row")
+    return segment_ids
+
+
+def _packed_segments(segment_ids, attention_mask, encoder_segment_ids, encoder_attention_mask,
+                     encoder_hidden_states, batch, length, q_offset, is_decoder):
+    """{"segments": self-attention PackedSegments, "cross_segments": cross-attention's} for a packed batch,
+    {} otherwise."""
+    if segment_ids is None:
+        if encoder_segment_ids is not None:
+            raise ValueError("packed batches need decoder_segment_ids as well as segment_ids")
+        return {}
+    if q_offset:
+        raise ValueError("segment_ids (packed batches) are for training and scoring whole sequences, not for "
+                         "decoding step by step with a cache")
+    segment_ids = _checked_segment_ids(segment_ids, attention_mask, batch, length,
+                                       "decoder_segment_ids" if is_decoder else "segment_ids")
+    packed = {"segments": PackedSegments(segment_ids, segment_ids)}
+    if encoder_hidden_states is not None:
+        if encoder_segment_ids is None:
+            raise ValueError("packed batches need segment_ids as well as decoder_segment_ids")
+        encoder_segment_ids = _checked_segment_ids(encoder_segment_ids, encoder_attention_mask, batch,
+                                                   encoder_hidden_states.shape[1], "segment_ids")
+        packed["cross_segments"] = PackedSegments(segment_ids, encoder_segment_ids)
+    return packed
 
 
 def _key_mask(mask, batch, key_length, name):
@@ -390,6 +574,22 @@ def _key_mask(mask, batch, key_length, name):
         raise ValueError(f"{name} must have shape (batch, key_length) = {(batch, key_length)}, "
                          f"got {tuple(mask.shape)}")
     return mask.to(torch.bool)
+
+
+@contextlib.contextmanager
+def _no_transformers_code_copy(model_class):
+    """transformers copies a registered class's module and its relative imports by their package paths, which
+    breaks on fat5/kernels/ ("kernels.flash_attention_t5.py" not found); FAT5 writes its own code instead."""
+    own = "_auto_class" in vars(model_class)
+    previous = model_class._auto_class
+    model_class._auto_class = None
+    try:
+        yield
+    finally:
+        if own:
+            model_class._auto_class = previous
+        else:
+            del model_class._auto_class
 
 
 class FAT5PreTrainedModel(PreTrainedModel):
@@ -421,11 +621,57 @@ class FAT5PreTrainedModel(PreTrainedModel):
             init.constant_(module.c, self.config.fire_init_c)
             init.constant_(module.threshold, self.config.fire_init_threshold)
 
-    def _shift_right(self, input_ids):
-        """Decoder inputs from labels: prepend decoder_start_token_id, turn -100 into pad."""
+    def save_pretrained(self, save_directory, *args, is_main_process=True, push_to_hub=False, **kwargs):
+        """transformers' save_pretrained, always giving a complete FAT5 package (code flat beside the config,
+        `auto_map`, the text2text pipeline), whether the model was loaded from a folder or built here; written
+        to a staging folder first, so an error leaves `save_directory` as it was."""
+        if not is_main_process or os.path.isfile(save_directory):
+            return super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        hub_kwargs = {name: kwargs.pop(name) for name in ("repo_id", "commit_message", "commit_description",
+                                                          "private", "token", "revision", "create_pr")
+                      if name in kwargs}
+        mark_as_package(self.config)
+        parent_save = super().save_pretrained
+        with _no_transformers_code_copy(type(self)):
+            save_as_package(lambda staging: parent_save(staging, *args, **kwargs), save_directory)
+        if push_to_hub:
+            repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.normpath(save_directory)))
+            return self.push_to_hub(repo_id, **hub_kwargs)
+
+    def _output(self, output, return_dict):
+        """return_dict=False (or config.return_dict=False) gives the tuple of the fields that are set, as
+        transformers' T5 does."""
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        return output if return_dict else output.to_tuple()
+
+    def set_attn_implementation(self, attn_implementation, *args, **kwargs):
+        """transformers' names mapped onto FAT5's backends: "eager" and "sdpa" set `config.attention_backend`.
+        FAT5 computes attention itself (the Triton kernel is attention_backend="triton", or "auto" on CUDA), so
+        transformers' other implementations (flash_attention_2, flex_attention, kernels) do not apply."""
+        requested = attn_implementation.get("", None) if isinstance(attn_implementation, dict) else attn_implementation
+        if requested not in ("eager", "sdpa"):
+            raise ValueError(
+                f"FAT5 maps set_attn_implementation('eager') and ('sdpa') onto config.attention_backend; "
+                f"{requested!r} is not one of them. For the Triton kernel set model.config.attention_backend = "
+                "'triton' (or 'auto', which uses it on CUDA)")
+        self.config.attention_backend = requested
+        self.config._attn_implementation_internal = requested
+
+    def create_masks_for_generate(self, attention_mask=None, **kwargs):
+        """generate() turns the decoder's mask into a dense 4-D causal mask for static caches; FAT5 applies
+        causality inside attention and takes only a (batch, keys) padding mask, so it keeps the 2-D one."""
+        return attention_mask
+
+    def _shift_right(self, input_ids, segment_ids=None):
+        """Decoder inputs from labels: prepend decoder_start_token_id, turn -100 into pad. With (B, L)
+        `segment_ids` (packed rows), every segment starts with decoder_start_token_id."""
         shifted = input_ids.new_zeros(input_ids.shape)
         shifted[..., 1:] = input_ids[..., :-1].clone()
         shifted[..., 0] = self.config.decoder_start_token_id
+        if segment_ids is not None:
+            starts = (segment_ids != F.pad(segment_ids[:, :-1], (1, 0))) & (segment_ids > 0)
+            shifted = shifted.masked_fill(starts, self.config.decoder_start_token_id)
+            shifted = shifted.masked_fill(segment_ids == 0, self.config.pad_token_id)
         return shifted.masked_fill(shifted == -100, self.config.pad_token_id)
 
 
@@ -453,10 +699,11 @@ class FAT5EncoderDecoderMixin:
 
     def _encode_and_decode(self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask,
                            encoder_outputs, past_key_values, inputs_embeds, decoder_inputs_embeds, use_cache,
-                           output_hidden_states):
+                           output_hidden_states, output_attentions=None, segment_ids=None, decoder_segment_ids=None):
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
-                                           inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
+                                           inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states,
+                                           output_attentions=output_attentions, segment_ids=segment_ids)
         elif not isinstance(encoder_outputs, BaseModelOutput):
             encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs[0])
         if use_cache is None:
@@ -465,7 +712,9 @@ class FAT5EncoderDecoderMixin:
                                        inputs_embeds=decoder_inputs_embeds, past_key_values=past_key_values,
                                        encoder_hidden_states=encoder_outputs.last_hidden_state,
                                        encoder_attention_mask=attention_mask, use_cache=use_cache,
-                                       output_hidden_states=output_hidden_states)
+                                       output_hidden_states=output_hidden_states,
+                                       output_attentions=output_attentions, segment_ids=decoder_segment_ids,
+                                       encoder_segment_ids=segment_ids)
         return encoder_outputs, decoder_outputs
 
 
@@ -477,33 +726,22 @@ class FAT5Model(FAT5EncoderDecoderMixin, FAT5PreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, past_key_values=None, inputs_embeds=None, decoder_inputs_embeds=None,
-                use_cache=None, output_hidden_states=None, return_dict=None, **kwargs):
+                use_cache=None, output_hidden_states=None, return_dict=None, output_attentions=None, segment_ids=None,
+                decoder_segment_ids=None, **kwargs):
         encoder_outputs, decoder_outputs = self._encode_and_decode(
             input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, past_key_values,
-            inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states)
-        return Seq2SeqModelOutput(
+            inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states, output_attentions=output_attentions,
+            segment_ids=segment_ids, decoder_segment_ids=decoder_segment_ids)
+        return self._output(Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
             past_key_values=decoder_outputs.past_key_values,
             decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
             encoder_hidden_states=encoder_outputs.hidden_states,
-        )
-
-
-def seq2seq_lm_loss(logits, labels, label_smoothing=0.0, z_loss=0.0, num_items_in_batch=None):
-    """Cross-entropy over tokens whose label is not -100 (their mean, or their sum / num_items_in_batch as the
-    Trainer asks under gradient accumulation), plus the optional z-loss on the same tokens."""
-    logits = logits.reshape(-1, logits.shape[-1]).float()
-    labels = labels.reshape(-1).to(logits.device)
-    reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = F.cross_entropy(logits, labels, ignore_index=-100, label_smoothing=label_smoothing, reduction=reduction)
-    if z_loss > 0:
-        log_z = torch.logsumexp(logits[labels != -100], dim=-1)
-        squared = log_z.pow(2)
-        loss = loss + z_loss * (squared.mean() if num_items_in_batch is None else squared.sum())
-    if num_items_in_batch is not None:
-        loss = loss / num_items_in_batch
-    return loss
+            encoder_attentions=encoder_outputs.attentions,
+        ), return_dict)
 
 
 class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel, GenerationMixin):
@@ -525,29 +763,59 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, past_key_values=None, inputs_embeds=None, decoder_inputs_embeds=None,
                 labels=None, use_cache=None, output_hidden_states=None, return_dict=None, num_items_in_batch=None,
-                **kwargs):
+                output_attentions=None, segment_ids=None, decoder_segment_ids=None, **kwargs):
+        """Packed batches (several examples per row, see `fat5.training.packing`) pass `segment_ids` (B, L_enc)
+        and `decoder_segment_ids` (B, L_dec): 1, 2, ... numbers a row's examples, 0 is padding. Each example then
+        attends only to itself (decoder segment s to encoder segment s), positions restart at every segment, and
+        the loss stays the mean over the batch's label tokens, i.e. the sum of every example's token losses over
+        the number of label tokens."""
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
-            decoder_input_ids = self._shift_right(labels)
+            decoder_input_ids = self._shift_right(labels, decoder_segment_ids)
         encoder_outputs, decoder_outputs = self._encode_and_decode(
             input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, past_key_values,
-            inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states)
+            inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states, output_attentions=output_attentions,
+            segment_ids=segment_ids, decoder_segment_ids=decoder_segment_ids)
         sequence_output = decoder_outputs.last_hidden_state
         if self.config.scale_decoder_outputs:
             # T5 v1.0 ties the LM head to the input embedding and rescales before it.
             sequence_output = sequence_output * self.model_dim**-0.5
-        logits = self.lm_head(sequence_output.to(self.lm_head.weight.dtype))
-        loss = None
-        if labels is not None:
-            loss = seq2seq_lm_loss(logits, labels, self.config.label_smoothing, self.config.z_loss,
-                                   num_items_in_batch)
-        return Seq2SeqLMOutput(
+        sequence_output = sequence_output.to(self.lm_head.weight.dtype)
+        loss = logits = None
+        if labels is not None and self._loss_without_logits():
+            loss = linear_cross_entropy(sequence_output, self.lm_head.weight, labels, self.config.label_smoothing,
+                                        self.config.z_loss, num_items_in_batch, self.config.lm_loss_implementation)
+        else:
+            logits = self.lm_head(sequence_output)
+            if labels is not None:
+                loss = seq2seq_lm_loss(logits, labels, self.config.label_smoothing, self.config.z_loss,
+                                       num_items_in_batch)
+        return self._output(Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
             past_key_values=decoder_outputs.past_key_values,
             decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
             encoder_hidden_states=encoder_outputs.hidden_states,
-        )
+            encoder_attentions=encoder_outputs.attentions,
+        ), return_dict)
+
+    def text2text_pipeline(self, tokenizer, **kwargs):
+        """This model's text2text-generation pipeline (see `pipeline_fat5.text2text_pipeline`); works where the
+        model came from a checkpoint folder with trust_remote_code as well as with FAT5 installed."""
+        from .pipeline_fat5 import text2text_pipeline
+
+        return text2text_pipeline(self, tokenizer, **kwargs)
+
+    def _loss_without_logits(self):
+        """Training computes the loss chunk by chunk and returns no logits (8 GB in fp32 at mT5's vocabulary and
+        8k target tokens), unless config.return_logits_in_training asks for them. Evaluation keeps the logits.
+        A head that is not a plain bias-free Linear (e.g. wrapped by PEFT), or one partitioned by DeepSpeed
+        ZeRO-3 (gathered only when its own forward runs), goes through the full logits."""
+        head = self.lm_head
+        return (self.training and not self.config.return_logits_in_training and type(head) is nn.Linear
+                and head.bias is None and not hasattr(head.weight, "ds_id"))
 
     def prepare_decoder_input_ids_from_labels(self, labels):
         return self._shift_right(labels)
@@ -572,9 +840,11 @@ class FAT5EncoderMixin:
     def get_encoder(self, *args, **kwargs):
         return self.encoder
 
-    def _encode(self, input_ids, attention_mask, inputs_embeds, output_hidden_states):
+    def _encode(self, input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions=None,
+                segment_ids=None):
         return self.encoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                            output_hidden_states=output_hidden_states)
+                            output_hidden_states=output_hidden_states, output_attentions=output_attentions,
+                            segment_ids=segment_ids)
 
 
 class FAT5EncoderModel(FAT5EncoderMixin, FAT5PreTrainedModel):
@@ -584,9 +854,19 @@ class FAT5EncoderModel(FAT5EncoderMixin, FAT5PreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, output_hidden_states=None,
-                return_dict=None, **kwargs):
-        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states)
-        return BaseModelOutput(last_hidden_state=outputs.last_hidden_state, hidden_states=outputs.hidden_states)
+                return_dict=None, output_attentions=None, segment_ids=None, **kwargs):
+        """`segment_ids` (B, L): packed rows, 1, 2, ... per example and 0 for padding; examples do not see
+        each other and positions restart at each."""
+        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions,
+                               segment_ids)
+        return self._output(BaseModelOutput(last_hidden_state=outputs.last_hidden_state,
+                                            hidden_states=outputs.hidden_states, attentions=outputs.attentions),
+                            return_dict)
+
+
+def _reject_segment_ids(kwargs, class_name):
+    if kwargs.get("segment_ids") is not None:
+        raise ValueError(f"{class_name} takes one example per row: packed batches (segment_ids) are not supported")
 
 
 class FAT5ClassificationHead(nn.Module):
@@ -613,8 +893,9 @@ class FAT5ForSequenceClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
-                output_hidden_states=None, return_dict=None, **kwargs):
-        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states)
+                output_hidden_states=None, return_dict=None, output_attentions=None, **kwargs):
+        _reject_segment_ids(kwargs, "FAT5ForSequenceClassification")
+        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions)
         hidden = outputs.last_hidden_state
         if attention_mask is None:
             pooled = hidden.mean(dim=1)
@@ -630,7 +911,8 @@ class FAT5ForSequenceClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
                 loss = F.cross_entropy(logits.float(), labels)
             else:
                 loss = F.binary_cross_entropy_with_logits(logits.float(), labels.float())
-        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return self._output(SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                                     attentions=outputs.attentions), return_dict)
 
 
 class FAT5ForTokenClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
@@ -642,14 +924,16 @@ class FAT5ForTokenClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
-                output_hidden_states=None, return_dict=None, **kwargs):
-        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states)
+                output_hidden_states=None, return_dict=None, output_attentions=None, segment_ids=None, **kwargs):
+        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions,
+                               segment_ids)
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                                    ignore_index=-100)
-        return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states)
+        return self._output(TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                                  attentions=outputs.attentions), return_dict)
 
 
 class FAT5ForQuestionAnswering(FAT5EncoderMixin, FAT5PreTrainedModel):
@@ -662,8 +946,9 @@ class FAT5ForQuestionAnswering(FAT5EncoderMixin, FAT5PreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, start_positions=None,
-                end_positions=None, output_hidden_states=None, return_dict=None, **kwargs):
-        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states)
+                end_positions=None, output_hidden_states=None, return_dict=None, output_attentions=None, **kwargs):
+        _reject_segment_ids(kwargs, "FAT5ForQuestionAnswering")
+        outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions)
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).float().unbind(dim=-1)
         loss = None
         if start_positions is not None and end_positions is not None:
@@ -673,8 +958,9 @@ class FAT5ForQuestionAnswering(FAT5EncoderMixin, FAT5PreTrainedModel):
             end = end_positions.clamp(0, length)
             loss = (F.cross_entropy(start_logits, start, ignore_index=length)
                     + F.cross_entropy(end_logits, end, ignore_index=length)) / 2
-        return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
-                                            hidden_states=outputs.hidden_states)
+        return self._output(QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
+                                                         hidden_states=outputs.hidden_states,
+                                                         attentions=outputs.attentions), return_dict)
 
 
 __all__ = [

@@ -146,3 +146,11 @@ class FAT5Text2TextGenerationPipeline(Pipeline):
                 record["generated_token_ids"] = output_ids
             records.append(record)
         return records
+
+
+def text2text_pipeline(model, tokenizer, **kwargs):
+    """The text2text-generation pipeline of an in-memory FAT5 model (e.g. right after fine-tuning), on
+    transformers 4.57 and 5.x: `pipeline("text2text-generation", model=model_object)` cannot find a custom
+    pipeline without a folder (and transformers 5 removed the built-in task). `kwargs` go to the pipeline
+    (`device`, `batch_size`, generation defaults such as `max_new_tokens`, ...)."""
+    return FAT5Text2TextGenerationPipeline(model=model, tokenizer=tokenizer, task="text2text-generation", **kwargs)

@@ -21,6 +21,8 @@ FAMILIES = {
     "umt5": ("UMT5", dict(feed_forward_proj="gated-gelu"), False),
     # ByT5: more encoder than decoder layers.
     "byt5": ("T5", dict(feed_forward_proj="gated-gelu", num_layers=3, num_decoder_layers=1), False),
+    # Google's t5-efficient "DL" shapes: a decoder deeper than the encoder (generation caches are sized from it).
+    "t5-efficient-dl": ("T5", dict(feed_forward_proj="gated-gelu", num_layers=1, num_decoder_layers=4), False),
     # T5-11B: heads x d_kv != d_model.
     "t5-11b": ("T5", dict(feed_forward_proj="relu", num_heads=4, d_kv=16, d_model=24), True),
 }

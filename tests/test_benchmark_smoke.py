@@ -63,3 +63,23 @@ def test_generate_smoke_compares_fat5_with_transformers_t5(tmp_path):
     assert all(r["status"] == "ok" or r["status"].startswith("error: ") for r in rows)
     best = table_rows(stdout, "1 | best") + table_rows(stdout, "2 | best")
     assert len(best) == 2 and all(line.strip(" |").split(" | ")[-1].endswith("x") for line in best)
+
+
+def test_loss_memory_smoke_run(tmp_path):
+    """benchmarks/loss_memory.py at tiny sizes: both steps counted, chunked loss and gradients equal to the full."""
+    script = BENCHMARKS / "loss_memory.py"
+    output = tmp_path / "loss_memory.json"
+    result = subprocess.run([sys.executable, str(script), "--smoke", "--output", str(output)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = json.loads(output.read_text())
+    assert set(row["peak_bytes"]) == {"full fp32 logits", "chunked (default)"}
+    assert row["chunked_peak_bytes_real_run"] == row["peak_bytes"]["chunked (default)"]
+    assert row["loss_relative_difference"] < 1e-5 and row["max_gradient_relative_difference"] < 1e-4
+
+
+def test_decode_smoke_run_writes_rows(tmp_path):
+    stdout, rows = run_smoke("attention.py", tmp_path, "--decode")
+    assert "| batch | Lk | fat5 | sdpa_dense_bias | sdpa_nobias |" in stdout
+    assert {(r["implementation"], r["batch"]) for r in rows if r["status"] == "ok"} == {
+        (name, 1) for name in ("fat5", "sdpa_dense_bias", "sdpa_nobias")}

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 import convert.export
 from convert.checkpoint import convert_checkpoint
 from convert.flan_to_fat5 import main
+from convert.safety import STAGING_MARK
 from t5_checkpoints import make_t5_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,7 +26,7 @@ def run_cli(*args, cwd=REPO, env=None):
 
 
 def leftovers(parent):
-    return [path.name for path in parent.iterdir() if ".partial-" in path.name or ".old-" in path.name]
+    return [path.name for path in parent.iterdir() if STAGING_MARK in path.name]
 
 
 @pytest.fixture(scope="module")
@@ -159,23 +160,26 @@ def test_parity_failure_is_loud(flan, tmp_path):
 
 def test_push_uploads_the_written_folder(flan, tmp_path):
     out = tmp_path / "out"
-    with mock.patch.object(HfApi, "create_repo") as create_repo, \
+    with mock.patch.object(HfApi, "whoami") as whoami, mock.patch.object(HfApi, "create_repo") as create_repo, \
             mock.patch.object(HfApi, "upload_folder") as upload_folder:
         upload_folder.return_value = mock.Mock(commit_url="https://huggingface.co/me/fat5-x/commit/1")
         code = main([str(flan), str(out), "--push-to-hub", "me/fat5-x", "--private", "--revision", "dev",
                      "--create-pr", "--token", "hf_test"])
     assert code == 0
+    whoami.assert_called_once_with()
     create_repo.assert_called_once_with("me/fat5-x", private=True, exist_ok=True)
     upload_folder.assert_called_once_with(repo_id="me/fat5-x", folder_path=str(out), revision="dev",
                                           create_pr=True, commit_message="Upload FAT5 checkpoint")
     assert 'from_pretrained("me/fat5-x", trust_remote_code=True)' in (out / "README.md").read_text()
 
 
-def test_push_offline_fails_with_one_line(flan, tmp_path, capsys):
+def test_push_offline_fails_with_one_line_before_converting(flan, tmp_path, capsys):
     # conftest sets HF_HUB_OFFLINE=1 and nothing is mocked: huggingface_hub refuses, we report it.
     assert main([str(flan), str(tmp_path / "out"), "--push-to-hub", "me/x", "--token", "hf_test"]) == 1
-    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "offline mode is enabled" in errors[0]
+    assert "Converting" not in captured.out and not (tmp_path / "out").exists()
 
 
 def test_help_documents_every_option():

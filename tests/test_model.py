@@ -60,7 +60,7 @@ def test_backends_agree_and_cache_matches_full_forward(position):
     for backend in ("eager", "sdpa"):
         model.config.attention_backend = backend
         logits[backend] = model(**batch).logits
-    assert (logits["eager"] - logits["sdpa"])[real].abs().max() < 1e-5
+    assert (logits["eager"] - logits["sdpa"])[real].abs().max() <= 1e-5 * logits["eager"][real].abs().max()
 
     inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=8)
     cached = model.generate(**inputs, do_sample=False)
@@ -101,7 +101,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         model(**batch).loss.backward()
         gradients.append({name: p.grad.clone() for name, p in model.named_parameters()})
     for name, grad in gradients[0].items():
-        assert torch.allclose(gradients[1][name], grad, atol=1e-6), name
+        assert (gradients[1][name] - grad).abs().max() <= 1e-5 * grad.abs().max(), name
 
 
 def test_loss_ignores_padding_and_adds_smoothing_and_z_loss():
@@ -185,7 +185,7 @@ def test_padding_does_not_change_real_tokens():
         states = model.encoder(input_ids=padded, attention_mask=mask[None].long()).last_hidden_state
         real = states[:, 4:] if left else states[:, :9]
         # T5's bucket of a pair depends on relative positions only, so left padding is harmless too.
-        assert torch.allclose(real, alone, atol=1e-5)
+        assert (real - alone).abs().max() <= 1e-5 * alone.abs().max()
 
 
 def test_triton_backend_refuses_dropout_in_training():
@@ -244,9 +244,9 @@ def test_triton_backend_matches_eager_inside_the_model(position):
         output = model(**batch)
         output.loss.backward()
         results[backend] = (output.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
-    assert (results["eager"][0] - results["triton"][0])[real].abs().max() < 1e-4
+    assert (results["eager"][0] - results["triton"][0])[real].abs().max() <= 1e-5 * results["eager"][0][real].abs().max()
     for name, grad in results["eager"][1].items():
-        assert (results["triton"][1][name] - grad).abs().max() <= 1e-4 * max(1.0, grad.abs().max()), name
+        assert (results["triton"][1][name] - grad).abs().max() <= 1e-4 * grad.abs().max(), name
     inputs = dict(input_ids=batch["input_ids"][:2], attention_mask=batch["attention_mask"][:2], max_new_tokens=6,
                   do_sample=False)
     model.config.attention_backend = "eager"

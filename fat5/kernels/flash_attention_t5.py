@@ -7,11 +7,16 @@ weight with the exact torch bucketing (`relative_position_bucket`) before the ke
 ``lut[h, clamp(k - q)]``. Its gradient comes back as the gradient of that small table and reaches the bucket
 weight through ordinary autograd of the gather, so every length and both signs are handled by one definition.
 
-Most tiles of a long sequence lie entirely beyond +-max_distance: there the bias is one scalar per head, the
-forward adds it without a gather and the backward sums dS over the tile into one of two registers. Only
-tiles near the diagonal gather per element and scatter their dS with atomics.
+Most tiles of a long sequence lie entirely beyond +-max_distance: there the bias is one scalar per head. Each
+program therefore walks its tiles in three loops with scalar bounds (far-left, near band, far-right), the bias
+kind fixed at compile time: far tiles cost what a no-bias tile costs (the scalar shifts the row max, the key mask
+is one additive column vector, the causal mask only exists in the near-band loop, which holds the diagonal), and the
+backward sums their dS per row into one of two table entries. Only near-band tiles gather per element and add
+their dS to the table per diagonal with relaxed atomics. benchmarks/sm90_profile.py reads the sm_90a build.
 
-ALiBi (-slope * |k - q|) is computed from the slopes; with no bias the kernel is plain flash attention.
+ALiBi (-slope * |k - q|) is computed from the slopes, per element only on tiles that cross the diagonal (on
+either side it splits into a per-key and a per-row part); with no bias the kernel is plain flash attention.
+batch * heads is grid axis 0 (axis 1 is capped at 65535) and base offsets are int64 (no wrap past 2^31 elements).
 Layouts: padded (B, H, L, D) with an optional (B, Lk) key mask, or packed varlen (total, H, D) with
 cumulative sequence lengths, where sequences never see each other and positions restart at 0.
 """
@@ -36,27 +41,39 @@ BIAS_NONE, BIAS_LUT, BIAS_ALIBI = 0, 1, 2
 LOG2E = 1.4426950408889634
 # Compiled (non-interpreted) kernels may only read globals wrapped as constexpr.
 KERNEL_LOG2E = tl.constexpr(LOG2E)
+# Columns of -inf after the additive key mask: at least the widest key tile (_blocks' BLOCK_N).
+KEY_MASK_PAD = 128
 # Tests set this to fill outputs with NaN before the kernels run, so a tile left unwritten fails loudly.
 POISON_OUTPUTS = False
 
 
 def _blocks(head_dim, backward, device):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Small tiles in the CPU interpreter, Hopper-sized on GPU."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Small tiles in the CPU interpreter, Hopper-sized on GPU
+    (chosen so that the sm_90a build has no spills and no serialised wgmma in the forward:
+    benchmarks/sm90_profile.py)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return 16, 16, 1, 1
     if backward:
         return (64, 64, 4, 2) if head_dim <= 64 else (64, 32, 8, 2)
-    return (128, 64, 4, 3) if head_dim <= 64 else (128, 32, 8, 3)
+    return (128, 64, 8, 3) if head_dim <= 64 else (128, 32, 8, 2)
+
+
+# Key tiles (forward, dQ) or query tiles (dK/dV) by where they lie relative to the +-max_distance band. Each kind
+# runs in its own loop so that the bias is fixed at compile time: one scalar in the far loops, a gather only in
+# the near band (and every element for ALiBi).
+FAR_LEFT = tl.constexpr(0)  # every key at relative position <= -max_distance
+NEAR = tl.constexpr(1)
+FAR_RIGHT = tl.constexpr(2)  # every key at relative position >= +max_distance
 
 
 @triton.jit
 def _sequence_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
-    """(first row of the sequence in the packed layout, its length) for queries and keys."""
+    """(first row of the sequence in the packed layout, its length) for queries and keys; starts in int64."""
     if IS_VARLEN:
-        q_start = tl.load(CU_Q + b)
-        q_len = tl.load(CU_Q + b + 1) - q_start
-        k_start = tl.load(CU_K + b)
-        k_len = tl.load(CU_K + b + 1) - k_start
+        q_start = tl.load(CU_Q + b).to(tl.int64)
+        q_len = tl.load(CU_Q + b + 1) - tl.load(CU_Q + b)
+        k_start = tl.load(CU_K + b).to(tl.int64)
+        k_len = tl.load(CU_K + b + 1) - tl.load(CU_K + b)
     else:
         q_start = 0
         q_len = seqlen_q
@@ -66,36 +83,149 @@ def _sequence_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr)
 
 
 @triton.jit
-def _scores(q, k, rows, cols, h, b, q_len, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES, KMASK,
-            stride_mask_b, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
-            HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr):
-    """log2-scaled scores of one tile with the bias added, and the mask of visible pairs."""
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+def _far_bias(h, LUT, stride_lut_h, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr):
+    """T5's one bias value of a far tile (log2 units), which the caller applies to the row max and shift instead
+    of to every score; 0 in the near band and for the other biases."""
+    bias = 0.0
+    if BIAS_TYPE == 1:
+        if REGION == FAR_LEFT:
+            bias = tl.load(LUT + h * stride_lut_h) * KERNEL_LOG2E
+        elif REGION == FAR_RIGHT:
+            bias = tl.load(LUT + h * stride_lut_h + 2 * MAX_DIST) * KERNEL_LOG2E
+    return bias
+
+
+@triton.jit
+def _alibi_row_bias(rows, start_n, h, q_offset, SLOPES, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr):
+    """ALiBi's part of a tile on one side of the diagonal that is constant along each row (log2 units):
+    -slope * |i + q_offset - start_n| (the key part is in _scores' column vector); 0 otherwise."""
+    bias = 0.0
+    if BIAS_TYPE == 2:
+        if REGION != NEAR:
+            distance = (rows + q_offset - start_n).to(tl.float32)
+            if REGION == FAR_LEFT:
+                distance = -distance
+            bias = tl.load(SLOPES + h) * KERNEL_LOG2E * distance
+    return bias
+
+
+@triton.jit
+def _scores(q, kt, rows, cols, start_n, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES, KMASK,
+            stride_mask_b, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr,
+            MASK_CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """log2-scaled scores of one tile with the per-element bias added; -inf where the pair is not visible.
+
+    Everything per key (keys past the end, padding) is one column vector, so a far tile costs one FMA per score
+    like no bias at all; the per-row parts (_far_bias, _alibi_row_bias) are applied by the caller. Rows past the
+    end need no mask: they are never stored, and the backward reads +inf for their log-sum-exp, which makes their
+    probabilities 0."""
+    if HAS_KMASK:
+        # 0 for kept keys, -inf for padding and for the KEY_MASK_PAD columns past the end: no bounds check.
+        column = tl.load(KMASK + b * stride_mask_b + cols)
+    else:
+        column = tl.where(cols < k_len, 0.0, float("-inf"))
+    if BIAS_TYPE == 2:
+        if REGION != NEAR:
+            # One side of the diagonal: -slope * |j - i| = -slope * |i + q_offset - start_n| -+ slope * (j - start_n).
+            offset = (cols - start_n).to(tl.float32) * (tl.load(SLOPES + h) * KERNEL_LOG2E)
+            column += offset if REGION == FAR_LEFT else -offset
+    s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale + column[None, :]
     relative = cols[None, :] - (rows[:, None] + q_offset)
     if BIAS_TYPE == 1:
-        # Scalars bounding this tile's relative positions decide whether a gather is needed.
-        start_m = tl.min(rows, axis=0) + q_offset
-        start_n = tl.min(cols, axis=0)
-        nearest_right = start_n - (start_m + BLOCK_M - 1)
-        nearest_left = start_n + BLOCK_N - 1 - start_m
-        if nearest_right >= MAX_DIST:
-            s += tl.load(LUT + h * stride_lut_h + 2 * MAX_DIST) * KERNEL_LOG2E
-        elif nearest_left <= -MAX_DIST:
-            s += tl.load(LUT + h * stride_lut_h) * KERNEL_LOG2E
-        else:
+        if REGION == NEAR:
             index = tl.minimum(tl.maximum(relative, -MAX_DIST), MAX_DIST) + MAX_DIST
             s += tl.load(LUT + h * stride_lut_h + index) * KERNEL_LOG2E
     elif BIAS_TYPE == 2:
-        slope = tl.load(SLOPES + h)
-        s -= slope * tl.abs(relative).to(tl.float32) * KERNEL_LOG2E
-    visible = (rows[:, None] < q_len) & (cols[None, :] < k_len)
-    if HAS_KMASK:
-        keep = tl.load(KMASK + b * stride_mask_b + cols, mask=cols < k_len, other=0)
-        visible = visible & (keep[None, :] != 0)
+        if REGION == NEAR:
+            s -= tl.load(SLOPES + h) * tl.abs(relative).to(tl.float32) * KERNEL_LOG2E
+    if MASK_CAUSAL:
+        s = tl.where(relative <= 0, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _key_tile_bounds(start_m, q_len, k_len, q_offset, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr,
+                     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For the query tile at start_m: key tiles [0, near_start) are far-left, [near_start, near_end) near (or, for
+    ALiBi and no bias, on the causal diagonal), [near_end, end_n) far-right. Only real rows count, so the phantom
+    rows of a short decode step do not pull far tiles into the band. ALiBi's band is the diagonal (width 0)."""
+    BAND: tl.constexpr = MAX_DIST if BIAS_TYPE == 1 else 0
+    last_row = tl.minimum(start_m + BLOCK_M, q_len) - 1 + q_offset
+    end_n = k_len
     if CAUSAL:
-        visible = visible & (relative <= 0)
-    return tl.where(visible, s, float("-inf")), visible
+        end_n = tl.minimum(k_len, last_row + 1)
+    if BIAS_TYPE != 0:
+        # Key tile [n, n + BLOCK_N) is far-left when n + BLOCK_N - 1 - (start_m + q_offset) <= -BAND.
+        near_start = tl.maximum(start_m + q_offset - BAND + 1, 0) // BLOCK_N * BLOCK_N
+        near_end = (last_row + BAND + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        if CAUSAL:  # tiles right of the diagonal need the causal mask: no far-right loop
+            near_end = end_n
+    elif CAUSAL:
+        near_start = tl.maximum(start_m + q_offset + 1, 0) // BLOCK_N * BLOCK_N
+        near_end = end_n
+    else:
+        near_start = end_n
+        near_end = end_n
+    near_start = tl.minimum(near_start, end_n)
+    near_end = tl.minimum(tl.maximum(near_end, near_start), end_n)
+    return near_start, near_end, end_n
+
+
+@triton.jit
+def _query_tile_bounds(start_n, q_len, k_len, q_offset, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr,
+                       CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For the key tile at start_n: query tiles [start, near_start) are far-right (the keys lie right of them),
+    [near_start, near_end) near (or on the causal diagonal), [near_end, q_len) far-left."""
+    BAND: tl.constexpr = MAX_DIST if BIAS_TYPE == 1 else 0
+    last_col = tl.minimum(start_n + BLOCK_N, k_len) - 1
+    start = 0
+    if CAUSAL:
+        # Query i sees key j only if j <= i + q_offset: skip the query tiles entirely above the diagonal.
+        start = tl.maximum(start_n - q_offset, 0) // BLOCK_M * BLOCK_M
+    if BIAS_TYPE != 0:
+        # Query tile [m, m + BLOCK_M) is far-right when start_n - (m + BLOCK_M - 1 + q_offset) >= BAND.
+        near_start = tl.maximum(start_n - BAND + 1 - q_offset, 0) // BLOCK_M * BLOCK_M
+        near_end = (tl.maximum(last_col + BAND - q_offset, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        if CAUSAL:  # no far-right loop: the near loop starts at the first visible tile
+            near_start = start
+    elif CAUSAL:
+        near_start = start
+        near_end = (tl.maximum(last_col - q_offset, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    else:
+        near_start = start
+        near_end = start
+    near_start = tl.minimum(tl.maximum(near_start, start), q_len)
+    near_end = tl.minimum(tl.maximum(near_end, near_start), q_len)
+    return start, near_start, near_end
+
+
+@triton.jit
+def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, rows, offs_n, offs_d, b, h, k_len, q_offset,
+                   qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES, KMASK, stride_mask_b,
+                   MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr,
+                   MASK_CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    far_bias = _far_bias(h, LUT, stride_lut_h, MAX_DIST, BIAS_TYPE, REGION)
+    # Not software-pipelined in the near band: staging its per-score table gather through shared memory doubled
+    # shared memory and made ptxas serialise the wgmma of the whole kernel (benchmarks/sm90_profile.py).
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=1 if REGION == NEAR else None):
+        cols = start_n + offs_n
+        col_ok = cols < k_len
+        kt = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        s = _scores(q, kt, rows, cols, start_n, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES, KMASK,
+                    stride_mask_b, MAX_DIST, BIAS_TYPE, REGION, MASK_CAUSAL, HAS_KMASK, DOT_PRECISION)
+        # A far tile's bias is constant along rows: add it to the row max and shift, not to every score.
+        row_bias = far_bias + _alibi_row_bias(rows, start_n, h, q_offset, SLOPES, BIAS_TYPE, REGION)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) + row_bias)
+        # Rows with nothing visible yet keep m = -inf; shift by 0 instead so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - (m_shift - row_bias)[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit
@@ -107,54 +237,77 @@ def _forward_kernel(Q, K, V, Out, LSE, LUT, SLOPES, KMASK, CU_Q, CU_K,
                     MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
                     HAS_KMASK: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # batch * heads on grid axis 0 (no 65535 cap); base offsets in int64 (no wrap past 2^31 elements).
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_m = tl.program_id(1)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     q_start, q_len, k_start, k_len = _sequence_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, IS_VARLEN)
-    if pid_m * BLOCK_M >= q_len:
+    start_m = pid_m * BLOCK_M
+    if start_m >= q_len:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = rows < q_len
-    q = tl.load(Q + b * stride_qb + h * stride_qh + (q_start + rows)[:, None] * stride_qm + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
+    q = tl.load(Q + b * stride_qb + h * stride_qh + q_start * stride_qm + rows[:, None] * stride_qm
+                + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    k_base = K + b * stride_kb + h * stride_kh + k_start * stride_kn
+    v_base = V + b * stride_vb + h * stride_vh + k_start * stride_vn
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    end_n = k_len
-    if CAUSAL:
-        end_n = tl.minimum(k_len, (pid_m + 1) * BLOCK_M + q_offset)
-    for start_n in range(0, end_n, BLOCK_N):
-        cols = start_n + offs_n
-        col_ok = cols < k_len
-        k = tl.load(k_base + (k_start + cols)[None, :] * stride_kn + offs_d[:, None], mask=col_ok[None, :],
-                    other=0.0)
-        s, visible = _scores(q, k, rows, cols, h, b, q_len, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES,
-                             KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, CAUSAL, HAS_KMASK, DOT_PRECISION, BLOCK_M,
-                             BLOCK_N)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows with nothing visible yet keep m = -inf; shift by 0 instead so exp2 gives 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_shift[:, None])
-        alpha = tl.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + (k_start + cols)[:, None] * stride_vn + offs_d[None, :], mask=col_ok[:, None],
-                    other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    near_start, near_end, end_n = _key_tile_bounds(start_m, q_len, k_len, q_offset, MAX_DIST, BIAS_TYPE, CAUSAL,
+                                                   BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, 0, near_start, rows, offs_n, offs_d, b, h, k_len,
+                                   q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES, KMASK,
+                                   stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK, DOT_PRECISION,
+                                   BLOCK_N)
+    if BIAS_TYPE != 0 or CAUSAL:
+        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, near_start, near_end, rows, offs_n, offs_d, b,
+                                       h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES,
+                                       KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, NEAR, CAUSAL, HAS_KMASK,
+                                       DOT_PRECISION, BLOCK_N)
+    if BIAS_TYPE != 0 and not CAUSAL:
+        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, near_end, end_n, rows, offs_n, offs_d, b, h,
+                                       k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES,
+                                       KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_RIGHT, False, HAS_KMASK,
+                                       DOT_PRECISION, BLOCK_N)
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    tl.store(Out + b * stride_ob + h * stride_oh + (q_start + rows)[:, None] * stride_om + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(Out + b * stride_ob + h * stride_oh + q_start * stride_om + rows[:, None] * stride_om
+             + offs_d[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     # log2-sum-exp2; +inf for rows that saw no key makes their probabilities exactly 0 in the backward.
     lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("inf"))
     tl.store(LSE + b * stride_lse_b + h * stride_lse_h + q_start + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, lo, hi, cols, start_n, offs_m, offs_d, b, h,
+                q_len, k_len, q_offset, qk_scale, stride_qm, stride_dom, LUT, stride_lut_h, SLOPES, KMASK,
+                stride_mask_b, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr,
+                MASK_CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    far_bias = _far_bias(h, LUT, stride_lut_h, MAX_DIST, BIAS_TYPE, REGION)
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        row_ok = rows < q_len
+        q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(do_base + rows[:, None] * stride_dom + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))
+        delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
+        s = _scores(q, kt, rows, cols, start_n, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h,
+                    SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, REGION, MASK_CAUSAL, HAS_KMASK, DOT_PRECISION)
+        row_bias = far_bias + _alibi_row_bias(rows, start_n, h, q_offset, SLOPES, BIAS_TYPE, REGION)
+        # Hidden pairs have s = -inf and rows past the end lse = +inf: p is exactly 0 there.
+        p = tl.exp2(s - (lse - row_bias)[:, None])
+        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
+        dp = tl.dot(do, tl.trans(v).to(do.dtype), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
 
 
 @triton.jit
@@ -167,48 +320,90 @@ def _backward_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LUT, SLOPES, KMASK, C
                           MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
                           HAS_KMASK: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
                           DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     q_start, q_len, k_start, k_len = _sequence_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, IS_VARLEN)
-    if pid_n * BLOCK_N >= k_len:
+    start_n = pid_n * BLOCK_N
+    if start_n >= k_len:
         return
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     col_ok = cols < k_len
-    kt = tl.load(K + b * stride_kb + h * stride_kh + (k_start + cols)[None, :] * stride_kn + offs_d[:, None],
-                 mask=col_ok[None, :], other=0.0)
-    v = tl.load(V + b * stride_vb + h * stride_vh + (k_start + cols)[:, None] * stride_vn + offs_d[None, :],
-                mask=col_ok[:, None], other=0.0)
+    kt = tl.load(K + b * stride_kb + h * stride_kh + k_start * stride_kn + cols[None, :] * stride_kn
+                 + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+    v = tl.load(V + b * stride_vb + h * stride_vh + k_start * stride_vn + cols[:, None] * stride_vn
+                + offs_d[None, :], mask=col_ok[:, None], other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    start = 0
-    if CAUSAL:
-        # Query i sees key j only if j <= i + q_offset: skip the query blocks entirely above the diagonal.
-        start = tl.maximum(pid_n * BLOCK_N - q_offset, 0) // BLOCK_M * BLOCK_M
-    for start_m in range(start, q_len, BLOCK_M):
-        rows = start_m + offs_m
-        row_ok = rows < q_len
-        q = tl.load(Q + b * stride_qb + h * stride_qh + (q_start + rows)[:, None] * stride_qm + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        do = tl.load(DO + b * stride_dob + h * stride_doh + (q_start + rows)[:, None] * stride_dom
-                     + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        lse = tl.load(LSE + b * stride_lse_b + h * stride_lse_h + q_start + rows, mask=row_ok, other=float("inf"))
-        delta = tl.load(DELTA + b * stride_lse_b + h * stride_lse_h + q_start + rows, mask=row_ok, other=0.0)
-        s, visible = _scores(q, kt, rows, cols, h, b, q_len, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES,
-                             KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, CAUSAL, HAS_KMASK, DOT_PRECISION, BLOCK_M,
-                             BLOCK_N)
-        p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
-        dp = tl.dot(do, tl.trans(v).to(do.dtype), input_precision=DOT_PRECISION)
+    q_base = Q + b * stride_qb + h * stride_qh + q_start * stride_qm
+    do_base = DO + b * stride_dob + h * stride_doh + q_start * stride_dom
+    lse_base = LSE + b * stride_lse_b + h * stride_lse_h + q_start
+    delta_base = DELTA + b * stride_lse_b + h * stride_lse_h + q_start
+    start, near_start, near_end = _query_tile_bounds(start_n, q_len, k_len, q_offset, MAX_DIST, BIAS_TYPE, CAUSAL,
+                                                     BLOCK_M, BLOCK_N)
+    if BIAS_TYPE != 0 and not CAUSAL:
+        dk, dv = _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, start, near_start, cols, start_n,
+                             offs_m, offs_d, b, h, q_len, k_len, q_offset, qk_scale, stride_qm, stride_dom, LUT,
+                             stride_lut_h, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_RIGHT, False,
+                             HAS_KMASK, DOT_PRECISION, BLOCK_M)
+    if BIAS_TYPE != 0 or CAUSAL:
+        dk, dv = _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, near_start, near_end, cols, start_n,
+                             offs_m, offs_d, b, h, q_len, k_len, q_offset, qk_scale, stride_qm, stride_dom, LUT,
+                             stride_lut_h, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, NEAR, CAUSAL, HAS_KMASK,
+                             DOT_PRECISION, BLOCK_M)
+    dk, dv = _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, near_end, q_len, cols, start_n, offs_m,
+                         offs_d, b, h, q_len, k_len, q_offset, qk_scale, stride_qm, stride_dom, LUT, stride_lut_h,
+                         SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK, DOT_PRECISION,
+                         BLOCK_M)
+    tl.store(DK + b * stride_dkb + h * stride_dkh + k_start * stride_dkn + cols[:, None] * stride_dkn
+             + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DV + b * stride_dvb + h * stride_dvh + k_start * stride_dvn + cols[:, None] * stride_dvn
+             + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.jit
+def _dq_tiles(dq, far_sum, q, do, lse, delta, k_base, v_base, dlut_base, lo, hi, rows, offs_n, offs_d, b, h,
+              k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES, KMASK, stride_mask_b,
+              MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+              HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, DIAGONALS: tl.constexpr):
+    """dQ over key tiles [lo, hi); far tiles also return the sum of their dS per row (one bias entry each)."""
+    far_bias = _far_bias(h, LUT, stride_lut_h, MAX_DIST, BIAS_TYPE, REGION)
+    offs_m = tl.arange(0, BLOCK_M)
+    diagonals = tl.arange(0, DIAGONALS)
+    start_q = tl.min(rows, axis=0) + q_offset
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < k_len
+        kt = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        vt = tl.load(v_base + cols[None, :] * stride_vn + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        s = _scores(q, kt, rows, cols, start_n, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES, KMASK,
+                    stride_mask_b, MAX_DIST, BIAS_TYPE, REGION, MASK_CAUSAL, HAS_KMASK, DOT_PRECISION)
+        row_bias = far_bias + _alibi_row_bias(rows, start_n, h, q_offset, SLOPES, BIAS_TYPE, REGION)
+        # p (hence dS) is exactly 0 outside the visible pairs, so ragged tails and masked keys never reach the
+        # bias gradient.
+        p = tl.exp2(s - (lse - row_bias)[:, None])
+        dp = tl.dot(do, vt.to(do.dtype), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
-    tl.store(DK + b * stride_dkb + h * stride_dkh + (k_start + cols)[:, None] * stride_dkn + offs_d[None, :],
-             (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
-    tl.store(DV + b * stride_dvb + h * stride_dvh + (k_start + cols)[:, None] * stride_dvn + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PRECISION)
+        if BIAS_TYPE == 1:
+            if REGION == NEAR:
+                # Skew the tile so that column t holds diagonal t (j - i = t - BLOCK_M + 1, one relative
+                # position), sum each diagonal and add one value per diagonal, not one per element.
+                source = diagonals[None, :] + offs_m[:, None] - (BLOCK_M - 1)
+                on_tile = (source >= 0) & (source < BLOCK_N)
+                skewed = tl.gather(ds, tl.where(on_tile, source, 0), axis=1)
+                per_diagonal = tl.sum(tl.where(on_tile, skewed, 0.0), axis=0)
+                relative = start_n - start_q + diagonals - (BLOCK_M - 1)
+                index = tl.minimum(tl.maximum(relative, -MAX_DIST), MAX_DIST) + MAX_DIST
+                tl.atomic_add(dlut_base + index, per_diagonal, mask=diagonals < BLOCK_M + BLOCK_N - 1,
+                              sem="relaxed")
+            else:
+                far_sum += tl.sum(ds, axis=1)
+    return dq, far_sum
 
 
 @triton.jit
@@ -222,70 +417,52 @@ def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, SLOPES, KMASK, C
                         HAS_KMASK: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         DIAGONALS: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_m = tl.program_id(1)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     q_start, q_len, k_start, k_len = _sequence_bounds(b, CU_Q, CU_K, seqlen_q, seqlen_k, IS_VARLEN)
-    if pid_m * BLOCK_M >= q_len:
+    start_m = pid_m * BLOCK_M
+    if start_m >= q_len:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = rows < q_len
-    q = tl.load(Q + b * stride_qb + h * stride_qh + (q_start + rows)[:, None] * stride_qm + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + (q_start + rows)[:, None] * stride_dom + offs_d[None, :],
-                 mask=row_ok[:, None], other=0.0)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + q_start * stride_qm + rows[:, None] * stride_qm
+                + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + q_start * stride_dom + rows[:, None] * stride_dom
+                 + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + b * stride_lse_b + h * stride_lse_h + q_start + rows, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + b * stride_lse_b + h * stride_lse_h + q_start + rows, mask=row_ok, other=0.0)
+    k_base = K + b * stride_kb + h * stride_kh + k_start * stride_kn
+    v_base = V + b * stride_vb + h * stride_vh + k_start * stride_vn
+    dlut_base = DLUT + h * stride_lut_h
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    # dS summed over the tiles that lie wholly beyond -max_distance / +max_distance: one bias entry each.
+    # dS summed over the tiles wholly beyond -max_distance / +max_distance: one bias entry each.
     far_left = tl.zeros([BLOCK_M], dtype=tl.float32)
     far_right = tl.zeros([BLOCK_M], dtype=tl.float32)
-    offs_m = tl.arange(0, BLOCK_M)
-    diagonals = tl.arange(0, DIAGONALS)
-    end_n = k_len
-    if CAUSAL:
-        end_n = tl.minimum(k_len, (pid_m + 1) * BLOCK_M + q_offset)
-    for start_n in range(0, end_n, BLOCK_N):
-        cols = start_n + offs_n
-        col_ok = cols < k_len
-        kt = tl.load(K + b * stride_kb + h * stride_kh + (k_start + cols)[None, :] * stride_kn + offs_d[:, None],
-                     mask=col_ok[None, :], other=0.0)
-        vt = tl.load(V + b * stride_vb + h * stride_vh + (k_start + cols)[None, :] * stride_vn + offs_d[:, None],
-                     mask=col_ok[None, :], other=0.0)
-        s, visible = _scores(q, kt, rows, cols, h, b, q_len, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES,
-                             KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, CAUSAL, HAS_KMASK, DOT_PRECISION, BLOCK_M,
-                             BLOCK_N)
-        p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, vt.to(do.dtype), input_precision=DOT_PRECISION)
-        # Zero outside the visible pairs: ragged tails and masked keys must not leak into the bias gradient.
-        ds = tl.where(visible, p * (dp - delta[:, None]), 0.0)
-        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
-        if BIAS_TYPE == 1:
-            start_q = pid_m * BLOCK_M + q_offset
-            nearest_right = start_n - (start_q + BLOCK_M - 1)
-            nearest_left = start_n + BLOCK_N - 1 - start_q
-            if nearest_right >= MAX_DIST:
-                far_right += tl.sum(ds, axis=1)
-            elif nearest_left <= -MAX_DIST:
-                far_left += tl.sum(ds, axis=1)
-            else:
-                # Near the diagonal: skew the tile so that column t holds diagonal t (j - i = t - BLOCK_M + 1, one
-                # relative position), sum each diagonal and add one value per diagonal, not one per element.
-                source = diagonals[None, :] + offs_m[:, None] - (BLOCK_M - 1)
-                on_tile = (source >= 0) & (source < BLOCK_N)
-                skewed = tl.gather(ds, tl.where(on_tile, source, 0), axis=1)
-                per_diagonal = tl.sum(tl.where(on_tile, skewed, 0.0), axis=0)
-                relative = start_n - start_q + diagonals - (BLOCK_M - 1)
-                index = tl.minimum(tl.maximum(relative, -MAX_DIST), MAX_DIST) + MAX_DIST
-                tl.atomic_add(DLUT + h * stride_lut_h + index, per_diagonal, mask=diagonals < BLOCK_M + BLOCK_N - 1)
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + (q_start + rows)[:, None] * stride_dqm + offs_d[None, :],
-             (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    near_start, near_end, end_n = _key_tile_bounds(start_m, q_len, k_len, q_offset, MAX_DIST, BIAS_TYPE, CAUSAL,
+                                                   BLOCK_M, BLOCK_N)
+    dq, far_left = _dq_tiles(dq, far_left, q, do, lse, delta, k_base, v_base, dlut_base, 0, near_start, rows, offs_n,
+                             offs_d, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES,
+                             KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK, DOT_PRECISION,
+                             BLOCK_M, BLOCK_N, DIAGONALS)
+    if BIAS_TYPE != 0 or CAUSAL:
+        dq, _ = _dq_tiles(dq, far_left, q, do, lse, delta, k_base, v_base, dlut_base, near_start, near_end, rows,
+                          offs_n, offs_d, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h,
+                          SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, NEAR, CAUSAL, HAS_KMASK, DOT_PRECISION,
+                          BLOCK_M, BLOCK_N, DIAGONALS)
+    if BIAS_TYPE != 0 and not CAUSAL:
+        dq, far_right = _dq_tiles(dq, far_right, q, do, lse, delta, k_base, v_base, dlut_base, near_end, end_n, rows,
+                                  offs_n, offs_d, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT,
+                                  stride_lut_h, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_RIGHT, False,
+                                  HAS_KMASK, DOT_PRECISION, BLOCK_M, BLOCK_N, DIAGONALS)
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqm + rows[:, None] * stride_dqm
+             + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
     if BIAS_TYPE == 1:
-        tl.atomic_add(DLUT + h * stride_lut_h, tl.sum(far_left, axis=0))
-        tl.atomic_add(DLUT + h * stride_lut_h + 2 * MAX_DIST, tl.sum(far_right, axis=0))
+        tl.atomic_add(dlut_base, tl.sum(far_left, axis=0), sem="relaxed")
+        tl.atomic_add(dlut_base + 2 * MAX_DIST, tl.sum(far_right, axis=0), sem="relaxed")
 
 
 @triton.jit
@@ -293,8 +470,8 @@ def _backward_delta_kernel(O, DO, DELTA, CU_Q, stride_ob, stride_oh, stride_om, 
                            stride_lse_b, stride_lse_h, num_heads, seqlen_q, IS_VARLEN: tl.constexpr,
                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta_i = sum_d dO_id * O_id (= sum_j P_ij dP_ij), laid out like the log-sum-exp."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_m = tl.program_id(1)
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     q_start, q_len, _, _ = _sequence_bounds(b, CU_Q, CU_Q, seqlen_q, seqlen_q, IS_VARLEN)
@@ -303,10 +480,10 @@ def _backward_delta_kernel(O, DO, DELTA, CU_Q, stride_ob, stride_oh, stride_om, 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = rows < q_len
-    o = tl.load(O + b * stride_ob + h * stride_oh + (q_start + rows)[:, None] * stride_om + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + (q_start + rows)[:, None] * stride_dom + offs_d[None, :],
-                 mask=row_ok[:, None], other=0.0)
+    o = tl.load(O + b * stride_ob + h * stride_oh + q_start * stride_om + rows[:, None] * stride_om
+                + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + q_start * stride_dom + rows[:, None] * stride_dom
+                 + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + b * stride_lse_b + h * stride_lse_h + q_start + rows, delta, mask=row_ok)
 
@@ -371,11 +548,11 @@ def _flash_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     out = _new_output(query.shape, query)
     lse = _new_output(_lse_shape(query, varlen), query, torch.float32)
     bias_type, lut, slopes, stride_lut_h, max_dist = _bias_args(bias_lut, alibi_slopes, query)
-    mask = key_mask if key_mask is not None else query.new_empty(1, dtype=torch.int8)
+    mask = key_mask if key_mask is not None else query.new_empty(1, dtype=torch.float32)
     cu_q = cu_seqlens_q if varlen else query.new_empty(1, dtype=torch.int32)
     cu_k = cu_seqlens_k if varlen else cu_q
     block_m, block_n, warps, stages = _blocks(query.shape[-1], backward=False, device=query.device)
-    grid = (triton.cdiv(seqlen_q, block_m), batch * heads)
+    grid = (batch * heads, triton.cdiv(seqlen_q, block_m))
     _forward_kernel[grid](
         query, key, value, out, lse, lut, slopes, mask, cu_q, cu_k,
         *_layout(query, varlen), *_layout(key, varlen), *_layout(value, varlen), *_layout(out, varlen),
@@ -408,25 +585,25 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     dq, dk, dv = _new_output(query.shape, query), _new_output(key.shape, key), _new_output(value.shape, value)
     bias_type, lut, slopes, stride_lut_h, max_dist = _bias_args(bias_lut, alibi_slopes, query)
     dlut = torch.zeros_like(bias_lut) if bias_lut is not None else query.new_zeros(1, dtype=torch.float32)
-    mask = key_mask if key_mask is not None else query.new_empty(1, dtype=torch.int8)
+    mask = key_mask if key_mask is not None else query.new_empty(1, dtype=torch.float32)
     cu_q = cu_seqlens_q if varlen else query.new_empty(1, dtype=torch.int32)
     cu_k = cu_seqlens_k if varlen else cu_q
     common = dict(MAX_DIST=max_dist, BIAS_TYPE=bias_type, CAUSAL=causal, HAS_KMASK=key_mask is not None,
                   IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], DOT_PRECISION=_dot_precision(query.dtype))
     block_m, block_n, warps, stages = _blocks(query.shape[-1], backward=True, device=query.device)
     delta = _new_output(lse.shape, lse)
-    _backward_delta_kernel[(triton.cdiv(seqlen_q, block_m), batch * heads)](
+    _backward_delta_kernel[(batch * heads, triton.cdiv(seqlen_q, block_m))](
         out, grad_out, delta, cu_q, *_layout(out, varlen), *_layout(grad_out, varlen), *_lse_strides(lse, varlen),
         heads, seqlen_q, IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], BLOCK_M=block_m, num_warps=warps)
     strides = (*_layout(query, varlen), *_layout(key, varlen), *_layout(value, varlen),
                *_layout(grad_out, varlen))
     scalars = (*_lse_strides(lse, varlen), stride_lut_h, mask.stride(0), heads, seqlen_q, seqlen_k, q_offset,
                scale * LOG2E, scale)
-    _backward_dkdv_kernel[(triton.cdiv(seqlen_k, block_n), batch * heads)](
+    _backward_dkdv_kernel[(batch * heads, triton.cdiv(seqlen_k, block_n))](
         query, key, value, grad_out, lse, delta, dk, dv, lut, slopes, mask, cu_q, cu_k,
         *strides, *_layout(dk, varlen), *_layout(dv, varlen), *scalars,
         **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-    _backward_dq_kernel[(triton.cdiv(seqlen_q, block_m), batch * heads)](
+    _backward_dq_kernel[(batch * heads, triton.cdiv(seqlen_q, block_m))](
         query, key, value, grad_out, lse, delta, dq, dlut, lut, slopes, mask, cu_q, cu_k,
         *strides, *_layout(dq, varlen), *scalars,
         **common, BLOCK_M=block_m, BLOCK_N=block_n, DIAGONALS=triton.next_power_of_2(block_m + block_n - 1),
@@ -515,7 +692,10 @@ def flash_attention_t5(query, key, value, *, bias_table=None, bidirectional=True
         if tuple(key_padding_mask.shape) != (batch, key.shape[2]):
             raise ValueError(f"key_padding_mask must be (B, Lk) = {(batch, key.shape[2])}, "
                              f"got {tuple(key_padding_mask.shape)}")
-        key_mask = key_padding_mask.to(torch.int8).contiguous()
+        # Additive in the kernel: 0 for a kept key, -inf for padding and for KEY_MASK_PAD columns past the end,
+        # so key tiles read it without a bounds check (one add per score, no compare).
+        key_mask = torch.full((batch, key.shape[2] + KEY_MASK_PAD), float("-inf"), device=key.device)
+        key_mask[:, :key.shape[2]].masked_fill_(key_padding_mask.bool(), 0.0)
     bias_lut, alibi_slopes = _position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_slopes,
                                             heads)
     query, key, value = _last_dim_contiguous(query, key, value)

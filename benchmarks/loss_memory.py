@@ -1,0 +1,131 @@
+"""Peak memory of one training step (forward + backward) of an mT5-vocabulary FAT5: the LM loss on full fp32
+logits (`config.return_logits_in_training=True`, what FAT5 did before) against the chunked linear cross-entropy
+(the default), with loss and gradients compared.
+
+Peaks are counted by torch's MemTracker (live tensor storages, 512-byte rounding, parameters and gradients
+included). The full-logits step at 8,192 target tokens needs more memory than a small machine has, so by default
+both steps are counted under FakeTensorMode (shapes and dtypes only, nothing allocated), the chunked step is also
+run for real at full size to check the fake count, and loss and gradients are compared in real runs at
+`--check-tokens`.
+
+    python benchmarks/loss_memory.py                # mT5 vocabulary, 8,192 target tokens
+    python benchmarks/loss_memory.py --smoke        # seconds: small vocabulary and batch
+"""
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import transformers  # noqa: E402
+
+from fat5.configuration_fat5 import FAT5Config  # noqa: E402
+from fat5.modeling_fat5 import FAT5ForConditionalGeneration  # noqa: E402
+
+ENCODER_LENGTH = 64
+DECODER_LENGTH = 1024
+STEPS = {"full fp32 logits": True, "chunked (default)": False}
+
+
+def build(vocab_size, d_model, target_tokens, seed=0):
+    config = FAT5Config(vocab_size=vocab_size, d_model=d_model, d_kv=d_model // 2, d_ff=2 * d_model, num_layers=1,
+                        num_heads=2, dropout_rate=0.0, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                        z_loss=1e-4)
+    torch.manual_seed(seed)
+    model = FAT5ForConditionalGeneration(config).train()
+    batch_size = max(1, target_tokens // DECODER_LENGTH)
+    decoder_length = target_tokens // batch_size
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.randint(2, vocab_size, (batch_size, decoder_length), generator=generator)
+    labels[:, -decoder_length // 8:] = -100  # padding in every row
+    batch = dict(input_ids=torch.randint(2, vocab_size, (batch_size, ENCODER_LENGTH), generator=generator),
+                 attention_mask=torch.ones(batch_size, ENCODER_LENGTH, dtype=torch.long), labels=labels)
+    return model, batch
+
+
+def step(model, batch, full_logits):
+    model.config.return_logits_in_training = full_logits
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss
+
+
+def tracked_peak(model, batch, full_logits):
+    with MemTracker() as tracker:
+        tracker.track_external(model)
+        step(model, batch, full_logits)
+        peak = tracker.get_tracker_snapshot("peak")
+    return max(snapshot["Total"] for snapshot in peak.values())
+
+
+def fake_peaks(vocab_size, d_model, tokens):
+    with FakeTensorMode():
+        model, batch = build(vocab_size, d_model, tokens)
+        return {name: tracked_peak(model, batch, full) for name, full in STEPS.items()}
+
+
+def compare(vocab_size, d_model, tokens):
+    """Relative differences of loss and of every gradient, chunked vs full logits (real fp32 run)."""
+    model, batch = build(vocab_size, d_model, tokens)
+    results = {}
+    for name, full in STEPS.items():
+        loss = step(model, batch, full)
+        results[name] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (loss_full, grads_full), (loss_chunked, grads_chunked) = results.values()
+    worst = max(((grads_chunked[n] - g).abs().max() / g.abs().max()).item() for n, g in grads_full.items())
+    return {"loss_full": loss_full.item(), "loss_chunked": loss_chunked.item(),
+            "loss_relative_difference": abs((loss_chunked - loss_full) / loss_full).item(),
+            "max_gradient_relative_difference": worst}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vocab-size", type=int, default=250112)
+    parser.add_argument("--d-model", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=8192, help="target tokens per step")
+    parser.add_argument("--check-tokens", type=int, default=1024, help="tokens of the real loss/gradient check")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
+    parser.add_argument("--output", type=Path, help="write the results as JSON here")
+    args = parser.parse_args()
+    if args.smoke:
+        args.vocab_size, args.tokens, args.check_tokens = 5000, 2048, 256
+    start = time.time()
+    peaks = fake_peaks(args.vocab_size, args.d_model, args.tokens)
+    model, batch = build(args.vocab_size, args.d_model, args.tokens)
+    real_chunked = tracked_peak(model, batch, full_logits=False)
+    del model, batch
+    check = compare(args.vocab_size, args.d_model, args.check_tokens)
+    full, chunked = peaks["full fp32 logits"], peaks["chunked (default)"]
+    result = {
+        "vocab_size": args.vocab_size, "d_model": args.d_model, "target_tokens": args.tokens,
+        "peak_bytes": peaks, "chunked_peak_bytes_real_run": real_chunked, "ratio_full_over_chunked": full / chunked,
+        "check_tokens": args.check_tokens, **check,
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "torch": torch.__version__, "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
+        "seconds": round(time.time() - start, 1),
+    }
+    gib = 2**30
+    print(f"vocab {args.vocab_size}, {args.tokens} target tokens, d_model {args.d_model}")
+    for name, peak in peaks.items():
+        print(f"  {name:20s} peak {peak / gib:8.3f} GiB")
+    print(f"  chunked, real run    peak {real_chunked / gib:8.3f} GiB")
+    print(f"  full / chunked = {full / chunked:.1f}x")
+    print(f"  real check at {args.check_tokens} tokens: loss rel diff {check['loss_relative_difference']:.2e}, "
+          f"max gradient rel diff {check['max_gradient_relative_difference']:.2e}", flush=True)
+    if args.output:
+        args.output.write_text(json.dumps(result, indent=2) + "\n")
+    if not args.smoke and full < 4 * chunked:
+        sys.exit(f"chunked peak {chunked / gib:.3f} GiB is more than 1/4 of the full-logits peak {full / gib:.3f} GiB")
+
+
+if __name__ == "__main__":
+    main()

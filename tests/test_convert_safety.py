@@ -1,0 +1,226 @@
+"""The converters never touch anything outside OUT, never leave it half-written, refuse bad input in one line."""
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from huggingface_hub import HfApi
+from safetensors.torch import load_file, save_file
+
+import convert.export
+import convert.safety
+from convert.checkpoint import plan_conversion, iter_converted_tensors
+from convert.flan_to_fat5 import main
+from t5_checkpoints import make_t5_checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def flan(tmp_path_factory):
+    return make_t5_checkpoint("flan-t5", tmp_path_factory.mktemp("src") / "flan")
+
+
+def snapshot(folder):
+    return {path.relative_to(folder): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def staging_leftovers(parent):
+    return [path.name for path in parent.iterdir() if convert.safety.STAGING_MARK in path.name]
+
+
+def run_main(capsys, argv):
+    capsys.readouterr()  # drop what building the source printed
+    return main(argv)
+
+
+def messages(stderr):
+    """stderr without tqdm's progress bars."""
+    return [line for line in stderr.strip().splitlines() if "%|" not in line]
+
+
+def one_error_line(capsys):
+    err = messages(capsys.readouterr().err)
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+@pytest.mark.parametrize("where", ["same", "inside", "containing", "symlink"])
+def test_out_overlapping_src_is_refused(tmp_path, where, overwrite, capsys):
+    src = make_t5_checkpoint("flan-t5", tmp_path / "parent" / "src")
+    before = snapshot(tmp_path / "parent")
+    (tmp_path / "link").symlink_to(src)
+    out = {"same": src, "inside": src / "out", "containing": tmp_path / "parent",
+           "symlink": tmp_path / "link"}[where]
+    assert run_main(capsys, [str(src), str(out), *overwrite]) == 1
+    assert "overlaps SRC" in one_error_line(capsys)
+    assert snapshot(tmp_path / "parent") == before
+
+
+def existing_out(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    return out
+
+
+def test_interrupt_before_the_swap_keeps_the_old_folder(flan, tmp_path, capsys):
+    out = existing_out(tmp_path)
+    with mock.patch.object(convert.export, "verify_parity", side_effect=KeyboardInterrupt):
+        assert run_main(capsys, [str(flan), str(out), "--overwrite"]) == 130
+    assert one_error_line(capsys) == f"interrupted: {out} is unchanged (the old folder is intact)"
+    assert snapshot(out) == {Path("old.txt"): b"old"}
+    assert staging_leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("exchange", ["renameat2", "two renames"])
+def test_signal_during_the_swap_is_held_until_the_new_folder_is_in_place(flan, tmp_path, capsys, exchange):
+    out = existing_out(tmp_path)
+    real_exchange = convert.safety._exchange
+
+    def interrupted_exchange(first, second):
+        os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C exactly between the steps of the swap
+        return real_exchange(first, second) if exchange == "renameat2" else False
+
+    with mock.patch.object(convert.safety, "_exchange", interrupted_exchange):
+        assert run_main(capsys, [str(flan), str(out), "--overwrite", "--no-verify"]) == 130
+    assert one_error_line(capsys) == (
+        f"interrupted: {out} holds the complete new conversion (the old folder was replaced)")
+    assert not (out / "old.txt").exists() and (out / "config.json").is_file()
+    assert load_file(out / "model.safetensors").keys() == load_file(flan / "model.safetensors").keys()
+    assert staging_leftovers(tmp_path) == []
+
+
+def test_interrupt_after_writing_says_out_was_written(flan, tmp_path, capsys):
+    out = tmp_path / "out"
+    with mock.patch.object(HfApi, "whoami"), mock.patch.object(HfApi, "create_repo"), \
+            mock.patch.object(HfApi, "upload_folder", side_effect=KeyboardInterrupt):
+        assert run_main(capsys, [str(flan), str(out), "--no-verify", "--push-to-hub", "me/x", "--token", "hf_x"]) == 130
+    assert one_error_line(capsys) == f"interrupted: {out} holds the complete new conversion"
+    assert (out / "model.safetensors").is_file()
+
+
+def test_stale_staging_of_a_killed_run_is_removed_and_only_that(flan, tmp_path, capsys):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    mark = convert.safety.STAGING_MARK
+    stale = tmp_path / f".out{mark}{dead.pid}-abc"
+    alive = tmp_path / f".out{mark}{os.getppid()}-abc"  # a running process's staging
+    other = tmp_path / f".other{mark}{dead.pid}-abc"  # another OUT's
+    for folder in (stale, alive, other):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"partial")
+    assert run_main(capsys, [str(flan), str(tmp_path / "out"), "--no-verify"]) == 0
+    assert not stale.exists() and alive.exists() and other.exists()
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o755), (0o027, 0o750)])
+def test_out_permissions_follow_the_umask(flan, tmp_path, capsys, umask, mode):
+    previous = os.umask(umask)
+    try:
+        assert run_main(capsys, [str(flan), str(tmp_path / "out"), "--no-verify"]) == 0
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == mode
+
+
+def rewrite(folder, edit):
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_non_finite_tensors_are_named_unless_allowed(tmp_path, capsys):
+    src = make_t5_checkpoint("flan-t5", tmp_path / "nan")
+    rewrite(src, lambda t: t["decoder.block.1.layer.2.DenseReluDense.wo.weight"].view(-1).__setitem__(5, torch.nan))
+    assert run_main(capsys, [str(src), str(tmp_path / "out"), "--no-verify"]) == 1
+    line = one_error_line(capsys)
+    assert "decoder.block.1.layer.2.DenseReluDense.wo.weight has NaN or infinite values" in line
+    assert not (tmp_path / "out").exists() and staging_leftovers(tmp_path) == []
+    assert run_main(capsys, [str(src), str(tmp_path / "out"), "--no-verify", "--allow-non-finite"]) == 0
+
+
+def test_overflow_of_the_dtype_cast_is_caught(tmp_path, capsys):
+    src = make_t5_checkpoint("flan-t5", tmp_path / "big")
+    rewrite(src, lambda t: t["shared.weight"].view(-1).__setitem__(0, 1e6))
+    assert run_main(capsys, [str(src), str(tmp_path / "out"), "--no-verify", "--dtype", "float16"]) == 1
+    assert "shared.weight has NaN or infinite values after the cast to float16" in one_error_line(capsys)
+
+
+def split_in_two_shards(folder):
+    tensors = load_file(folder / "model.safetensors")
+    names = sorted(tensors)
+    halves = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2:]}
+    for file, part in halves.items():
+        save_file({name: tensors[name] for name in part}, folder / file, metadata={"format": "pt"})
+    (folder / "model.safetensors").unlink()
+    return {name: file for file, part in halves.items() for name in part}
+
+
+def break_config(folder):
+    (folder / "config.json").write_text("[1, 2]")
+
+
+def break_card(folder):
+    (folder / "README.md").write_text("---\nlicense: [apache\n---\n# card\n")
+
+
+def break_tokenizer(folder):
+    (folder / "tokenizer_config.json").write_text("{not json")
+
+
+def index_with(folder, edit):
+    weight_map = split_in_two_shards(folder)
+    edit(weight_map)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def pickled(folder, state):
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin")
+
+
+@pytest.mark.parametrize("breakage, message", [
+    (break_config, "config.json is not a JSON object"),
+    (break_card, "README.md has an unreadable metadata header"),
+    (break_tokenizer, "cannot read"),
+    (lambda f: index_with(f, lambda m: m.update({"shared.weight": ["a.safetensors"]})), "is not a shard file name"),
+    (lambda f: index_with(f, lambda m: m.pop("shared.weight")), "omits tensor shared.weight"),
+    (lambda f: index_with(f, lambda m: m.update({"extra.weight": "a.safetensors"})), "lists tensor extra.weight"),
+    (lambda f: pickled(f, {"shared.weight": 3}), "'shared.weight', which is not a tensor"),
+    (lambda f: pickled(f, {"shared.weight": datetime.date(2020, 1, 1)}), "corrupt or truncated"),
+])
+def test_bad_inputs_fail_in_one_line_before_converting(tmp_path, capsys, breakage, message):
+    src = make_t5_checkpoint("flan-t5", tmp_path / "src")
+    breakage(src)
+    assert run_main(capsys, [str(src), str(tmp_path / "out")]) == 1
+    captured = capsys.readouterr()
+    assert message in captured.err and len(messages(captured.err)) == 1, captured.err
+    assert "Parity" not in captured.out
+    assert not (tmp_path / "out").exists() and staging_leftovers(tmp_path) == []
+
+
+def test_ctrl_c_during_imports_is_one_line_and_130(flan, tmp_path):
+    process = subprocess.Popen([sys.executable, "-m", "convert.flan_to_fat5", str(flan), str(tmp_path / "out")],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)  # Python is up, torch and transformers are still importing
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "interrupted: nothing was written" and len(err.strip().splitlines()) == 1
+
+
+def test_source_pages_are_released_as_tensors_stream(flan):
+    plan = plan_conversion(flan)
+    for _ in iter_converted_tensors(plan):
+        # Each safetensors file is reopened per tensor, so no mapping of an earlier tensor stays alive.
+        assert plan.source._handles == {}

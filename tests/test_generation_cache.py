@@ -1,0 +1,136 @@
+"""generate() with every cache transformers offers: static gives the dynamic cache's tokens (greedy, beam, padded
+batches, every position encoding, encoder and decoder of different depths) and compiles; cross-attention keys
+and values are computed once per generation."""
+
+import pytest
+import torch
+
+from fat5.configuration_fat5 import FAT5Config
+from fat5.modeling_fat5 import FAT5ForConditionalGeneration
+
+POSITION_TYPES = ["t5", "rope", "alibi", "fire", "none"]
+VOCAB = 61
+
+
+def confident_model(num_layers=2, num_decoder_layers=2, **overrides):
+    """A tiny model whose random weights are large enough that its greedy choices are not near-ties (T5's
+    initialisation makes a fresh model emit one token forever, which would prove nothing)."""
+    values = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=num_layers,
+                  num_decoder_layers=num_decoder_layers, num_heads=4, relative_attention_num_buckets=8,
+                  relative_attention_max_distance=20, dropout_rate=0.0, feed_forward_proj="gated-gelu",
+                  tie_word_embeddings=False)
+    config = FAT5Config(**{**values, **overrides})
+    torch.manual_seed(0)
+    model = FAT5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 1:
+                parameter.uniform_(0.5, 1.5)
+            else:
+                parameter.normal_(0.0, 0.6)
+    return model
+
+
+def padded_inputs():
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(2, VOCAB, (3, 9), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 6:] = 0  # right padding
+    attention_mask[2, :3] = 0  # left padding
+    return dict(input_ids=input_ids.masked_fill(attention_mask == 0, 0), attention_mask=attention_mask)
+
+
+def generate(model, **options):
+    return model.generate(**padded_inputs(), max_new_tokens=8, min_new_tokens=8, **options)
+
+
+def assert_varied(tokens):
+    # A test on one repeated token would pass with a broken cache.
+    assert tokens[:, 1:].unique().numel() >= 4, tokens
+
+
+@pytest.mark.parametrize("position", POSITION_TYPES)
+@pytest.mark.parametrize("search", [dict(do_sample=False), dict(num_beams=3, do_sample=False)],
+                         ids=["greedy", "beam"])
+def test_static_cache_gives_the_dynamic_cache_tokens(position, search):
+    model = confident_model(position_encoding_type=position)
+    dynamic = generate(model, **search)
+    assert_varied(dynamic)
+    assert torch.equal(generate(model, **search, cache_implementation="static"), dynamic)
+
+
+@pytest.mark.parametrize("depths", [(1, 4), (4, 1)], ids=["shallow-encoder", "shallow-decoder"])
+def test_encoder_and_decoder_of_different_depths_generate_with_every_cache(depths):
+    model = confident_model(*depths)
+    assert model.config.get_text_config(decoder=True).num_hidden_layers == depths[1]
+    assert model.config.num_hidden_layers == depths[0]  # the config itself is unchanged
+    for search in (dict(), dict(num_beams=3)):
+        expected = generate(model, use_cache=False, **search)  # no cache: nothing sized from the config
+        assert_varied(expected)
+        for cache in ("dynamic", "static"):
+            assert torch.equal(generate(model, **search, cache_implementation=cache), expected), (search, cache)
+
+
+def test_decoder_takes_transformers_4d_causal_mask():
+    """A dense (batch, 1, queries, keys) mask, as transformers builds for static caches, means its padding."""
+    model = confident_model()
+    inputs = padded_inputs()
+    decoder_input_ids = torch.randint(2, VOCAB, (3, 5), generator=torch.Generator().manual_seed(2))
+    decoder_mask = torch.ones_like(decoder_input_ids)
+    decoder_mask[0, 3:] = 0
+    causal = torch.tril(torch.ones(5, 5, dtype=torch.bool))
+    dense = causal[None, None] & decoder_mask.bool()[:, None, None, :]
+    with torch.no_grad():
+        expected = model(**inputs, decoder_input_ids=decoder_input_ids, decoder_attention_mask=decoder_mask).logits
+        for mask in (dense, torch.where(dense, 0.0, torch.finfo(torch.float32).min)):
+            actual = model(**inputs, decoder_input_ids=decoder_input_ids, decoder_attention_mask=mask).logits
+            scale = expected.abs().max()
+            assert ((actual - expected)[:, :3].abs().max() <= 1e-6 * scale), mask.dtype
+
+
+def test_cross_attention_keys_and_values_are_computed_once_per_generation():
+    model = confident_model(num_decoder_layers=3)
+    calls = []
+    for block in model.decoder.block:
+        cross = block.layer[1].EncDecAttention
+        for projection in (cross.k, cross.v):
+            projection.register_forward_hook(lambda module, args, output: calls.append(module))
+    for cache in (dict(), dict(cache_implementation="static")):
+        for search in (dict(), dict(num_beams=3)):
+            calls.clear()
+            generate(model, **cache, **search)
+            # one call per projection and decoder layer, not one per generated token
+            assert len(calls) == 2 * 3, (cache, search)
+
+
+def test_static_cache_decoding_compiles_without_graph_breaks():
+    """The decode step (one token, static cache) traces as one graph: what transformers compiles."""
+    model = confident_model()
+    eager_tokens = generate(model, cache_implementation="static")
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, backend="eager", fullgraph=True, dynamic=False)
+    decode_steps = []
+
+    def forward(*args, **kwargs):
+        if kwargs["decoder_input_ids"].shape[1] == 1 and kwargs.get("encoder_outputs") is not None:
+            decode_steps.append(1)
+            return compiled(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    original = model.forward
+    model.forward = forward
+    try:
+        assert torch.equal(generate(model, cache_implementation="static"), eager_tokens)
+    finally:
+        model.forward = original
+    assert decode_steps
+
+
+def test_static_cache_with_the_triton_kernel_gives_the_eager_tokens():
+    """The kernel (interpreted on CPU) takes a static cache's offset, which is a tensor, as a scalar."""
+    model = confident_model(1, 1, d_kv=32, num_heads=2)
+    inputs = dict(**padded_inputs(), max_new_tokens=3, min_new_tokens=3)
+    model.config.attention_backend = "eager"
+    expected = model.generate(**inputs)
+    model.config.attention_backend = "triton"
+    assert torch.equal(model.generate(**inputs, cache_implementation="static"), expected)

@@ -1,0 +1,352 @@
+"""The fine-tuning recipes (recipes/) run end to end on the bundled demo model, converted once per session.
+
+Each recipe trains a few steps on data written here (generated from word lists; nothing downloaded): the loss
+falls, the metric is computed, the saved folder (and the merged LoRA folder) loads and runs in a fresh interpreter
+where this repository cannot be imported, and bad input ends with one error line.
+"""
+
+import csv
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForSeq2SeqLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from isolated import run_isolated
+from recipes import classify, predict, summarization, train, translation
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "recipes" / "configs"
+SUBJECTS = "cat dog bird fish fox cow hen owl".split()
+VERBS = "sat ran saw ate sang slept".split()
+PLACES = "mat box tree house road hill pond".split()
+WORDS = SUBJECTS + VERBS + PLACES + "the a on in under by near red big small old happy little blue green".split()
+# A made-up "language": every word replaced by another one of the vocabulary.
+CIPHER = dict(zip(WORDS, random.Random(1).sample(WORDS, len(WORDS))))
+# Few rows, several epochs: enough for the loss to fall in a handful of steps.
+TRAINER_FLAGS = ["--report_to", "none", "--logging_steps", "1", "--per_device_train_batch_size", "8",
+                 "--per_device_eval_batch_size", "16", "--learning_rate", "3e-3", "--seed", "0",
+                 "--save_strategy", "no", "--dataloader_pin_memory", "false", "--max_steps", "6"]
+
+
+def sentence(rng):
+    return f"the {rng.choice(SUBJECTS)} {rng.choice(VERBS)} on the {rng.choice(PLACES)}"
+
+
+def translation_rows(rng, n):
+    rows = []
+    for _ in range(n):
+        words = rng.choices(WORDS, k=rng.randint(2, 5))
+        rows.append({"en": " ".join(words), "xx": " ".join(CIPHER[w] for w in words)})
+    return rows
+
+
+def summary_rows(rng, n):
+    rows = []
+    for _ in range(n):
+        clauses = [sentence(rng) for _ in range(3)]
+        rows.append({"document": " and ".join(clauses), "summary": clauses[0]})
+    return rows
+
+
+def double_rows(rng, n):
+    rows = []
+    for _ in range(n):
+        words = rng.choices(WORDS, k=rng.randint(2, 4))
+        rows.append({"source": "double: " + " ".join(words), "target": " ".join(w for w in words for _ in "ab")})
+    return rows
+
+
+def nli_rows(rng, n):
+    """Premise "the S V on the P"; the hypothesis keeps S and V (entailment), changes V (contradiction) or changes
+    S (neutral: another animal may have done it too)."""
+    rows = []
+    labels = ["entailment", "neutral", "contradiction"]
+    for i in range(n):
+        subject, verb, place = rng.choice(SUBJECTS), rng.choice(VERBS), rng.choice(PLACES)
+        label = labels[i % 3]
+        if label == "entailment":
+            hypothesis = f"the {subject} {verb}"
+        elif label == "contradiction":
+            hypothesis = f"the {subject} {rng.choice([v for v in VERBS if v != verb])}"
+        else:
+            hypothesis = f"the {rng.choice([s for s in SUBJECTS if s != subject])} {verb}"
+        rows.append({"premise": f"the {subject} {verb} on the {place}", "hypothesis": hypothesis, "label": label})
+    return rows
+
+
+def write(path, rows):
+    path = Path(path)
+    if path.suffix in (".csv", ".tsv"):
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]), delimiter="\t" if path.suffix == ".tsv" else ",")
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def demo_fat5(tmp_path_factory):
+    """The bundled demo T5 converted to a FAT5 folder, as the README does."""
+    out = tmp_path_factory.mktemp("demo") / "fat5-demo"
+    subprocess.run([sys.executable, "-m", "convert.flan_to_fat5", str(REPO / "convert" / "demo_t5"), str(out),
+                    "--no-verify"], cwd=REPO, check=True, capture_output=True)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    files = {}
+    for name, make, suffix in [("translation", translation_rows, ".tsv"), ("summary", summary_rows, ".jsonl"),
+                               ("double", double_rows, ".csv"), ("nli", nli_rows, ".jsonl")]:
+        for split, n in [("train", 24), ("dev", 9), ("test", 9)]:
+            files[f"{name}_{split}"] = write(folder / f"{name}_{split}{suffix}", make(rng, n))
+    return files
+
+
+def losses(trainer):
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def assert_loss_falls(trainer):
+    history = losses(trainer)
+    assert len(history) >= 4, history
+    # Mean of the last two logged losses below the first two: robust to one noisy small batch.
+    assert sum(history[-2:]) < sum(history[:2]), history
+
+
+def metrics(output_dir, split):
+    return json.loads((Path(output_dir) / f"{split}_results.json").read_text())
+
+
+RECIPES = {
+    "translation": lambda model, data, out: (translation.main, [
+        "--model_name_or_path", model, "--output_dir", out, "--train_file", data["translation_train"],
+        "--validation_file", data["translation_dev"], "--test_file", data["translation_test"],
+        "--source_column", "en", "--target_column", "xx", "--max_target_length", "16",
+        "--generation_max_length", "16"]),
+    "summarization": lambda model, data, out: (summarization.main, [
+        "--model_name_or_path", model, "--output_dir", out, "--train_file", data["summary_train"],
+        "--validation_file", data["summary_dev"], "--test_file", data["summary_test"],
+        "--source_prefix", "summarize: ", "--max_target_length", "16", "--generation_max_length", "16"]),
+    "train": lambda model, data, out: (train.main, [
+        "--model_name_or_path", model, "--output_dir", out, "--train_file", data["double_train"],
+        "--validation_file", data["double_dev"]]),
+    "classify_text": lambda model, data, out: (classify.main, [
+        "--model_name_or_path", model, "--output_dir", out, "--head", "text", "--train_file", data["nli_train"],
+        "--validation_file", data["nli_dev"], "--test_file", data["nli_test"], "--generation_max_length", "12"]),
+    "classify_classifier": lambda model, data, out: (classify.main, [
+        "--model_name_or_path", model, "--output_dir", out, "--head", "classifier",
+        "--train_file", data["nli_train"], "--validation_file", data["nli_dev"], "--test_file", data["nli_test"]]),
+}
+
+
+def run_recipe(name, demo_fat5, data, out, *flags, do=("--do_train", "--do_eval", "--do_predict")):
+    main, args = RECIPES[name](demo_fat5, data, str(out))
+    if name == "train":
+        do = [flag for flag in do if flag != "--do_predict"]
+    return main([*args, *TRAINER_FLAGS, *do, *flags])
+
+
+def test_translation_bleu_chrf_and_predictions_csv(demo_fat5, data, tmp_path):
+    trainer = run_recipe("translation", demo_fat5, data, tmp_path / "out")
+    assert_loss_falls(trainer)
+    for split in ("eval", "test"):
+        scores = metrics(tmp_path / "out", split)
+        assert 0 <= scores[f"{split}_bleu"] <= 100 and 0 < scores[f"{split}_chrf"] <= 100, scores
+    with open(tmp_path / "out" / "predictions.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    with open(data["translation_test"], newline="") as f:
+        expected = list(csv.DictReader(f, delimiter="\t"))
+    assert list(rows[0]) == ["source", "reference", "prediction"]
+    assert [(r["source"], r["reference"]) for r in rows] == [(e["en"], e["xx"]) for e in expected]
+
+
+def test_summarization_rouge_bf16_gradient_checkpointing(demo_fat5, data, tmp_path):
+    trainer = run_recipe("summarization", demo_fat5, data, tmp_path / "out", "--bf16", "--use_cpu",
+                         "--gradient_checkpointing")
+    assert trainer.model.is_gradient_checkpointing
+    assert_loss_falls(trainer)
+    scores = metrics(tmp_path / "out", "eval")
+    for name in ("eval_rouge1", "eval_rouge2", "eval_rougeL", "eval_rougeLsum"):
+        assert 0 <= scores[name] <= 100, scores
+    assert scores["eval_rouge1"] > 0, scores
+
+
+def test_train_then_predict_with_generation_flags(demo_fat5, data, tmp_path):
+    trainer = run_recipe("train", demo_fat5, data, tmp_path / "model")
+    assert_loss_falls(trainer)
+    assert "eval_loss" in metrics(tmp_path / "model", "eval")
+    # A separate run loads the saved folder; the generation flags reach generate().
+    outputs = {}
+    for name, flags in {"short": ["--max_new_tokens", "2"], "beams": ["--num_beams", "3", "--length_penalty", "0.5",
+                                                                      "--max_new_tokens", "12"]}.items():
+        out_csv = tmp_path / f"{name}.csv"
+        process = subprocess.run(
+            [sys.executable, "-m", "recipes.predict", "--model", str(tmp_path / "model"), "--input_file",
+             data["double_test"], "--reference_column", "target", "--output_file", str(out_csv), *flags],
+            cwd=REPO, capture_output=True, text=True)
+        assert process.returncode == 0, process.stderr[-3000:]
+        assert 0 <= json.loads(process.stdout.strip().splitlines()[-1])["accuracy"] <= 1
+        with open(out_csv, newline="") as f:
+            outputs[name] = list(csv.DictReader(f))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "model", trust_remote_code=True)
+    assert len(outputs["short"]) == 9 and list(outputs["short"][0]) == ["source", "reference", "prediction"]
+    assert all(len(tokenizer(row["prediction"], add_special_tokens=False).input_ids) <= 2
+               for row in outputs["short"])
+    assert any(len(row["prediction"].split()) > 2 for row in outputs["beams"])
+
+
+def isolated_accuracy(folder, rows, task, cwd):
+    """Accuracy of a saved folder on NLI rows through `pipeline(task, trust_remote_code=True)` in a fresh
+    interpreter that cannot import this repository."""
+    code = """
+import importlib.util, json, sys
+from transformers import pipeline
+folder, task, rows, out = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+pipe = pipeline(task, model=folder, trust_remote_code=True, device="cpu")
+prompts = [f"premise: {r['premise']} hypothesis: {r['hypothesis']}" for r in rows]
+if task == "text2text-generation":
+    answers = [o["generated_text"].strip() for o in pipe(prompts, num_beams=1, do_sample=False, max_new_tokens=12)]
+else:
+    answers = [o["label"] for o in pipe(prompts)]
+json.dump({"importable": [m for m in ("fat5", "recipes") if importlib.util.find_spec(m)],
+           "accuracy": sum(a == r["label"] for a, r in zip(answers, rows)) / len(rows)}, open(out, "w"))
+"""
+    result = run_isolated(code, [folder, task, json.dumps(rows)], cwd)
+    assert result["importable"] == []
+    return result["accuracy"]
+
+
+@pytest.mark.parametrize("head, task", [("text", "text2text-generation"), ("classifier", "text-classification")])
+def test_classification_both_heads_accuracy_in_fresh_process(demo_fat5, data, tmp_path, head, task):
+    trainer = run_recipe(f"classify_{head}", demo_fat5, data, tmp_path / "out")
+    assert_loss_falls(trainer)
+    test_accuracy = metrics(tmp_path / "out", "test")["test_accuracy"]
+    assert 0 <= test_accuracy <= 1
+    rows = [json.loads(line) for line in Path(data["nli_test"]).read_text().splitlines()]
+    # The saved folder, loaded by a user's pipeline elsewhere, scores what the Trainer measured.
+    assert isolated_accuracy(str(tmp_path / "out"), rows, task, tmp_path) == pytest.approx(test_accuracy)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_lora_adapter_and_merged_folder(demo_fat5, data, tmp_path, name):
+    out = tmp_path / "out"
+    trainer = run_recipe(name, demo_fat5, data, out, "--lora", "--merge_lora", do=("--do_train",))
+    assert_loss_falls(trainer)
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert not (out / "model.safetensors").exists()
+    frozen = [n for n, p in trainer.model.named_parameters() if not p.requires_grad]
+    assert any(".q." in n or n.endswith("q.base_layer.weight") for n in frozen)
+    # The merged folder computes what the base model plus adapter computes.
+    from peft import PeftModel
+
+    auto = AutoModelForSequenceClassification if name == "classify_classifier" else AutoModelForSeq2SeqLM
+    merged = auto.from_pretrained(out / "merged", trust_remote_code=True).eval()
+    base = auto.from_pretrained(demo_fat5, trust_remote_code=True, **(
+        {"num_labels": 3} if name == "classify_classifier" else {}))
+    adapted = PeftModel.from_pretrained(base, out).eval()
+    ids = torch.tensor([[5, 9, 14, 20, 1]])
+    inputs = {"input_ids": ids} if name == "classify_classifier" else {"input_ids": ids, "labels": ids}
+    with torch.no_grad():
+        expected, got = adapted(**inputs).logits, merged(**inputs).logits
+    assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def test_merged_lora_folder_serves_pipeline_in_fresh_process(demo_fat5, data, tmp_path):
+    out = tmp_path / "out"
+    run_recipe("classify_text", demo_fat5, data, out, "--lora", "--merge_lora", do=("--do_train",))
+    rows = [json.loads(line) for line in Path(data["nli_test"]).read_text().splitlines()]
+    accuracy = isolated_accuracy(str(out / "merged"), rows, "text2text-generation", tmp_path)
+    assert 0 <= accuracy <= 1
+
+
+def test_resume_from_last_checkpoint(demo_fat5, data, tmp_path):
+    out = tmp_path / "out"
+    flags = ["--save_strategy", "steps", "--save_steps", "2"]
+    first = run_recipe("train", demo_fat5, data, out, *flags, "--max_steps", "2", do=("--do_train",))
+    assert (out / "checkpoint-2").is_dir() and first.state.global_step == 2
+    resumed = run_recipe("train", demo_fat5, data, out, *flags, "--max_steps", "4", "--resume_from_checkpoint",
+                         "last", do=("--do_train",))
+    assert resumed.state.global_step == 4
+    # The resumed run continues the saved history rather than starting over.
+    assert [e["step"] for e in resumed.state.log_history if "loss" in e] == [1, 2, 3, 4]
+
+
+def error_line(capsys, main, argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines and lines[-1].startswith("error: "), lines
+    return lines[-1]
+
+
+def test_bad_input_one_error_line(demo_fat5, data, tmp_path, capsys):
+    base = ["--model_name_or_path", demo_fat5, "--do_train", "--report_to", "none"]
+    missing = error_line(capsys, translation.main, [*base, "--output_dir", str(tmp_path / "a"), "--train_file",
+                                                    data["translation_train"], "--source_column", "de"])
+    assert "no column 'de'" in missing and "en, xx" in missing
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    assert "empty" in error_line(capsys, train.main, [*base, "--output_dir", str(tmp_path / "b"),
+                                                      "--train_file", str(empty)])
+    header_only = tmp_path / "header.csv"
+    header_only.write_text("source,target\n")
+    assert "no rows" in error_line(capsys, train.main, [*base, "--output_dir", str(tmp_path / "c"),
+                                                        "--train_file", str(header_only)])
+    too_long = error_line(capsys, summarization.main, [*base, "--output_dir", str(tmp_path / "d"), "--train_file",
+                                                       data["summary_train"], "--max_target_length", "3"])
+    assert "longer than --max_target_length=3" in too_long
+    label = tmp_path / "label.jsonl"
+    label.write_text(json.dumps({"premise": "the cat sat", "hypothesis": "a cat", "label": "maybe"}) + "\n")
+    assert "'maybe'" in error_line(capsys, classify.main, [*base, "--output_dir", str(tmp_path / "e"),
+                                                           "--train_file", str(label)])
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "keep.txt").write_text("a user's file")
+    assert "not empty" in error_line(capsys, train.main, [*base, "--output_dir", str(occupied), "--train_file",
+                                                          data["double_train"]])
+    assert (occupied / "keep.txt").read_text() == "a user's file"
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    assert "LoRA adapter" in error_line(capsys, predict.main, ["--model", str(adapter), "--input_file",
+                                                               data["double_test"], "--output_file", "x.csv"])
+
+
+def test_deepspeed_and_fsdp_configs():
+    """The shipped configs have the fields the FLAN-T5-XXL ZeRO-3 recipes use, and the Trainer fills every "auto"."""
+    from transformers import Seq2SeqTrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    from fat5 import FAT5Config, FAT5ForConditionalGeneration
+    from fat5.modeling_fat5 import FAT5PreTrainedModel
+
+    # The bucket sizes are "auto": the Trainer derives them from the model's hidden size (d_model).
+    model = FAT5ForConditionalGeneration(FAT5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1,
+                                                    num_heads=4, decoder_start_token_id=0))
+    for name, offload in [("ds_zero3_bf16.json", False), ("ds_zero3_offload_bf16.json", True)]:
+        config = json.loads((CONFIGS / name).read_text())
+        zero = config["zero_optimization"]
+        assert zero["stage"] == 3 and zero["overlap_comm"] and zero["contiguous_gradients"]
+        assert zero["stage3_gather_16bit_weights_on_model_save"] is True
+        assert config["bf16"]["enabled"] == "auto" and config["train_micro_batch_size_per_gpu"] == "auto"
+        assert ("offload_optimizer" in zero and zero["offload_param"]["device"] == "cpu") == offload
+        filled = HfTrainerDeepSpeedConfig(config)
+        args = Seq2SeqTrainingArguments(output_dir="unused", bf16=False, report_to="none")
+        filled.trainer_config_process(args)
+        filled.trainer_config_finalize(args, model, num_training_steps=10)
+        assert "auto" not in json.dumps(filled.config), filled.config
+    fsdp = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())
+    assert fsdp["distributed_type"] == "FSDP"
+    assert fsdp["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] in FAT5PreTrainedModel._no_split_modules

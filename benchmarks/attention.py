@@ -269,31 +269,29 @@ def plot(rows, args, path):
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", default="512,1024,2048,4096,8192,16384,32768")
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=32768, help="tokens a batch: batch = tokens // L")
+    parser.add_argument("--lengths", type=common.positive_ints, default="512,1024,2048,4096,8192,16384,32768")
+    parser.add_argument("--heads", type=common.positive_int, default=12)
+    parser.add_argument("--head-dim", type=common.positive_int, default=64)
+    parser.add_argument("--tokens", type=common.positive_int, default=32768, help="tokens a batch: batch = tokens // L")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--impl", default=",".join(IMPLEMENTATIONS))
     parser.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     parser.add_argument("--peer-max-length", type=int, default=16384, help="peers stop at this L (fat5 goes on)")
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--reps", type=common.positive_int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out-dir", type=Path, default=common.OUT_DIR)
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--update-results", action="store_true", help=f"append the table to {common.RESULTS}")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script itself")
     parser.add_argument("--decode", action="store_true", help="time one generation step instead (Lq = 1)")
-    parser.add_argument("--decode-lengths", default="512,1024,2048,4096,8192", help="cache lengths Lk")
-    parser.add_argument("--decode-batches", default="1,32")
+    parser.add_argument("--decode-lengths", type=common.positive_ints, default="512,1024,2048,4096,8192",
+                        help="cache lengths Lk")
+    parser.add_argument("--decode-batches", type=common.positive_ints, default="1,32")
     args = parser.parse_args()
     if args.smoke:
-        args.lengths, args.heads, args.head_dim, args.tokens = "32,48", 2, 32, 96
+        args.lengths, args.heads, args.head_dim, args.tokens = [32, 48], 2, 32, 96
         args.dtype, args.reps, args.warmup, args.peer_max_length = "float32", 1, 0, 48
-        args.decode_lengths, args.decode_batches = "24", "1"
-    args.lengths = [int(length) for length in args.lengths.split(",")]
-    args.decode_lengths = [int(length) for length in args.decode_lengths.split(",")]
-    args.decode_batches = [int(batch) for batch in args.decode_batches.split(",")]
+        args.decode_lengths, args.decode_batches = [24], [1]
     args.impl = [name.strip() for name in args.impl.split(",")]
     unknown = sorted(set(args.impl) - set(IMPLEMENTATIONS))
     if unknown:

@@ -1,6 +1,7 @@
 """Plumbing shared by the benchmark scripts: timing, peak memory, the run header, raw rows, RESULTS.md, and the
 transformers T5 / FAT5 pair with the same weights that train_step.py and generate.py compare."""
 
+import argparse
 import ctypes
 import datetime
 import json
@@ -261,12 +262,34 @@ def checked_model(name, reference, batch, expected):
     return model, None
 
 
+def positive_int(text):
+    """argparse type: an integer >= 1 (argparse turns the error into one line and exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def positive_ints(text):
+    """argparse type: comma-separated integers >= 1, e.g. "512,1024"."""
+    return [positive_int(item) for item in text.split(",")]
+
+
 def parse_shape(text, base):
-    """`base` (a T5 config shape) with "key=value,..." overrides."""
+    """`base` (a T5 config shape) with "key=value,..." overrides; one error line and a non-zero exit if bad."""
     shape = dict(base)
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         if key not in shape:
             sys.exit(f"error: --shape key {key!r} is not one of {sorted(shape)}")
-        shape[key] = value if key == "feed_forward_proj" else int(value)
+        if key == "feed_forward_proj":
+            shape[key] = value
+            continue
+        try:
+            shape[key] = positive_int(value)
+        except argparse.ArgumentTypeError as error:
+            sys.exit(f"error: --shape {key}: {error}")
     return shape

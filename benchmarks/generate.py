@@ -125,16 +125,16 @@ def plot(rows, args, path):
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--encoder-length", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--encoder-length", type=common.positive_int, default=512)
+    parser.add_argument("--new-tokens", type=common.positive_int, default=128)
+    parser.add_argument("--batches", type=common.positive_ints, default="1,32")
     parser.add_argument("--impl", default=DEFAULT_IMPL)
     parser.add_argument("--caches", default=",".join(CACHES))
     parser.add_argument("--shape", default="", help="T5 config overrides of the v1.1-base shape, e.g. "
                         "d_model=256,num_layers=4,num_heads=4,d_ff=1024")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                         default="bfloat16" if torch.cuda.is_available() else "float32")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=common.positive_int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out-dir", type=common.Path, default=common.OUT_DIR)
     parser.add_argument("--no-plot", action="store_true")
@@ -144,14 +144,13 @@ def parse_args():
     base = common.V11_BASE
     if args.smoke:
         base = common.SMOKE_SHAPE
-        args.encoder_length, args.new_tokens, args.batches, args.reps, args.warmup = 16, 4, "1,2", 1, 0
+        args.encoder_length, args.new_tokens, args.batches, args.reps, args.warmup = 16, 4, [1, 2], 1, 0
         args.dtype = "float32"
         if args.impl == DEFAULT_IMPL:
             args.impl = "fat5,t5_eager,t5_sdpa"
         if args.caches == ",".join(CACHES):
             args.caches = "dynamic,static"
     args.shape = common.parse_shape(args.shape, base)
-    args.batches = [int(batch) for batch in args.batches.split(",")]
     args.impl = [name.strip() for name in args.impl.split(",")]
     args.caches = [cache.strip() for cache in args.caches.split(",")]
     unknown = [name for name in args.impl if name not in ("fat5", *common.T5_ATTENTION)]

@@ -131,16 +131,18 @@ def plot(rows, args, path):
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", default="512,1024,2048,4096,8192,16384,32768")
-    parser.add_argument("--tokens", type=int, default=32768, help="encoder tokens a batch: batch = tokens // L")
-    parser.add_argument("--decoder-length", type=int, default=128)
+    parser.add_argument("--lengths", type=common.positive_ints,
+                        default="512,1024,2048,4096,8192,16384,32768")
+    parser.add_argument("--tokens", type=common.positive_int, default=32768,
+                        help="encoder tokens a batch: batch = tokens // L")
+    parser.add_argument("--decoder-length", type=common.positive_int, default=128)
     parser.add_argument("--impl", default=DEFAULT_IMPL)
     parser.add_argument("--shape", default="", help="T5 config overrides of the v1.1-base shape, e.g. "
                         "d_model=256,num_layers=4,num_heads=4,d_ff=1024")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                         default="bfloat16" if torch.cuda.is_available() else "float32",
                         help="autocast dtype (weights and AdamW state stay fp32, as Trainer's bf16=True)")
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--reps", type=common.positive_int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out-dir", type=common.Path, default=common.OUT_DIR)
     parser.add_argument("--no-plot", action="store_true")
@@ -150,12 +152,11 @@ def parse_args():
     base = common.V11_BASE
     if args.smoke:
         base = common.SMOKE_SHAPE
-        args.lengths, args.tokens, args.decoder_length, args.reps, args.warmup = "16,32", 64, 8, 1, 0
+        args.lengths, args.tokens, args.decoder_length, args.reps, args.warmup = [16, 32], 64, 8, 1, 0
         args.dtype = "float32"
         if args.impl == DEFAULT_IMPL:
             args.impl = "fat5,t5_eager,t5_sdpa"
     args.shape = common.parse_shape(args.shape, base)
-    args.lengths = [int(length) for length in args.lengths.split(",")]
     args.impl = [name.strip() for name in args.impl.split(",")]
     unknown = [name for name in args.impl if name.removesuffix("+compile") not in ("fat5", *common.T5_ATTENTION)]
     if unknown:

@@ -1,10 +1,12 @@
-"""The benchmark scripts run end to end on CPU (`--smoke`) and write their raw rows and tables. No timing is
-asserted: only that rows exist, the JSON is valid and the ratios were computed."""
+"""The benchmark scripts run end to end on CPU (`--smoke`) and write their raw rows and tables, and refuse bad flags
+with one error line. No timing is asserted: only that rows exist, the JSON is valid and the ratios were computed."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -54,12 +56,13 @@ def test_generate_smoke_compares_fat5_with_transformers_t5(tmp_path):
     assert set(by_key) == {(name, cache, batch) for name in ("fat5", "t5_eager", "t5_sdpa")
                            for cache in ("dynamic", "static") for batch in (1, 2)}
     for name in ("fat5", "t5_eager"):
-        for batch in (1, 2):
-            row = by_key[(name, "dynamic", batch)]
-            assert row["status"] == "ok" and row["tokens_per_s"] > 0
-            # Same weights, fp32, greedy: transformers' T5 produces FAT5's tokens.
-            assert row["same_tokens_as_fat5"] is True
-    # A cache that fails for one model is an error row with its message, not a crash.
+        for cache in ("dynamic", "static"):
+            for batch in (1, 2):
+                row = by_key[(name, cache, batch)]
+                assert row["status"] == "ok" and row["tokens_per_s"] > 0
+                # Same weights, fp32, greedy: every model and cache produces FAT5's dynamic-cache tokens.
+                assert row["same_tokens_as_fat5"] is True
+    # A peer that cannot run here (transformers 4.57 has no SDPA T5) is an error row with its message, not a crash.
     assert all(r["status"] == "ok" or r["status"].startswith("error: ") for r in rows)
     best = table_rows(stdout, "1 | best") + table_rows(stdout, "2 | best")
     assert len(best) == 2 and all(line.strip(" |").split(" | ")[-1].endswith("x") for line in best)
@@ -83,3 +86,16 @@ def test_decode_smoke_run_writes_rows(tmp_path):
     assert "| batch | Lk | fat5 | sdpa_dense_bias | sdpa_nobias |" in stdout
     assert {(r["implementation"], r["batch"]) for r in rows if r["status"] == "ok"} == {
         (name, 1) for name in ("fat5", "sdpa_dense_bias", "sdpa_nobias")}
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    ("train_step.py", ["--lengths", "512,0"], "argument --lengths: 0 is not a positive integer"),
+    ("generate.py", ["--shape", "d_model=x"], "error: --shape d_model: 'x' is not an integer"),
+    ("attention.py", ["--decode", "--decode-batches", "one"], "argument --decode-batches: 'one' is not an integer"),
+])
+def test_bad_flag_is_one_error_line_and_nonzero_exit(tmp_path, script, flags, message):
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), *flags, "--out-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].endswith(message)
+    assert "Traceback" not in result.stderr and not any(tmp_path.iterdir())  # nothing measured, nothing written

@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from convert.cli import CliParser, UserError, exit_with, run
+from convert.cli import CliParser, UserError, add_output_arguments, exit_with, run
 
 MODEL_TYPES = ("t5", "mt5", "umt5")
 ARCHITECTURES = {"t5": "T5ForConditionalGeneration", "mt5": "MT5ForConditionalGeneration",
@@ -33,15 +33,7 @@ def build_parser():
                                                    "FAT5_DIR)")
     parser.add_argument("--model-type", choices=MODEL_TYPES,
                         help="transformers family to write (default: umt5 for a bias table per layer, else t5)")
-    parser.add_argument("--max-shard-size", default="5GB",
-                        help="largest safetensors shard, e.g. 5GB, 500MB (default: 5GB)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace OUT if it exists and is not empty (atomically: OUT is always either the "
-                             "old or the new folder)")
-    parser.add_argument("--no-verify", action="store_true",
-                        help="skip reloading OUT with transformers and comparing its logits with the FAT5 model")
-    parser.add_argument("--allow-non-finite", action="store_true",
-                        help="convert tensors holding NaN or infinite values instead of refusing them")
+    add_output_arguments(parser, verify_help="skip reloading OUT with transformers and comparing its logits with the FAT5 model")
     return parser
 
 

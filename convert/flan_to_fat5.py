@@ -14,7 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from convert.cli import CliParser, UserError, exit_with, run
+from convert.cli import CliParser, UserError, add_output_arguments, exit_with, run
 
 # Heavy modules (torch, transformers) are imported inside `convert`, where Ctrl-C is handled.
 DTYPES = ("bfloat16", "float16", "float32")
@@ -39,15 +39,7 @@ def build_parser():
     parser.add_argument("--attn-implementation", default="auto", choices=["auto", "eager", "sdpa", "triton"],
                         help="attention backend saved in the config: auto = Triton kernel on CUDA, SDPA "
                              "elsewhere (default: auto)")
-    parser.add_argument("--max-shard-size", default="5GB",
-                        help="largest safetensors shard, e.g. 5GB, 500MB (default: 5GB)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace OUT if it exists and is not empty (atomically: OUT is always either the "
-                             "old or the new folder)")
-    parser.add_argument("--no-verify", action="store_true",
-                        help="skip reloading OUT and comparing its logits with the source model")
-    parser.add_argument("--allow-non-finite", action="store_true",
-                        help="convert tensors holding NaN or infinite values instead of refusing them")
+    add_output_arguments(parser, verify_help="skip reloading OUT and comparing its logits with the source model")
     parser.add_argument("--base-model", metavar="HUB_ID",
                         help="Hub id of the source model, for the model card (default: SRC when it is a Hub id, "
                              "else the source config's _name_or_path when that is one)")

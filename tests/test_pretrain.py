@@ -18,6 +18,7 @@ from convert.flan_to_fat5 import main as convert_main
 from fat5 import FAT5Config, FAT5ForConditionalGeneration
 from fat5.training.optim import AdamWScale
 from fat5.training.pretrain import main as pretrain_main
+from isolated import run_isolated
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_heads": 4, "num_layers": 2, "feed_forward_proj": "gated-gelu",
@@ -97,24 +98,20 @@ def test_checkpoint_loads_in_a_fresh_process_and_generates(scratch_run):
     _, out = scratch_run
     code = """
 import json, sys
-import fat5  # the saved folder is loaded through FAT5's registration (see the report on remote-code saving)
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 folder, result = sys.argv[1], sys.argv[2]
 model = AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained(folder)
+tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
 inputs = tokenizer("[R] the red cat <extra_id_0> the old horse .", return_tensors="pt")
 generated = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-json.dump({"class": type(model).__name__, "ids": generated[0].tolist(), "vocab": len(tokenizer),
-           "sentinel": tokenizer.convert_tokens_to_ids("<extra_id_0>")}, open(result, "w"))
+json.dump({"class": type(model).__name__, "module": type(model).__module__, "ids": generated[0].tolist(),
+           "vocab": len(tokenizer), "sentinel": tokenizer.convert_tokens_to_ids("<extra_id_0>")}, open(result, "w"))
 """
     # The training code is not part of a checkpoint.
     assert not [path.name for path in out.iterdir() if path.name in ("denoising.py", "packing.py", "pretrain.py")]
-    result_file = out.parent / "generated.json"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    process = subprocess.run([sys.executable, "-c", code, str(out), str(result_file)], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=300)
-    assert process.returncode == 0, process.stderr[-4000:]
-    result = json.loads(result_file.read_text())
+    # A Hub user's process: this repository is not importable, the model comes from the folder's own code.
+    result = run_isolated(code, [out], cwd=out.parent)
+    assert not result["module"].startswith("fat5.")
     assert result["class"] == "FAT5ForConditionalGeneration"
     assert len(result["ids"]) > 1 and all(0 <= token < result["vocab"] for token in result["ids"])
     # A model trained on span corruption opens its answer with the first sentinel.

@@ -7,7 +7,8 @@ One step = forward with labels (encoder L tokens, decoder 128), backward, AdamW 
 Batch = --tokens // L. tokens/s counts encoder tokens (batch x L). Peak memory is above the resting state
 (weights, AdamW state and inputs already allocated), i.e. activations, gradients and the optimizer's transients.
 Implementations:
-    fat5            FAT5 converted from the T5 (Triton attention on CUDA, SDPA on CPU)
+    fat5            FAT5 converted from the T5 (Triton attention on CUDA, SDPA on CPU; its default chunked LM
+                    loss, so no full fp32 logits: training forwards return logits=None)
     fat5+compile    the same under torch.compile
     t5_eager, t5_sdpa, t5_flex   transformers' T5ForConditionalGeneration with that attn_implementation
     (any name + "+compile" compiles it; e.g. t5_sdpa+compile)

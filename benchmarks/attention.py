@@ -16,13 +16,8 @@ transformers builds, sdpa_nobias as the bar to reach), in microseconds, batch 1 
 """
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,13 +32,13 @@ import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
+import common  # noqa: E402  (puts this checkout first on sys.path)
 from fat5.attention_fat5 import relative_position_bucket  # noqa: E402
 from fat5.kernels.flash_attention_t5 import flash_attention_t5  # noqa: E402
 
 NUM_BUCKETS, MAX_DISTANCE = 32, 128
 IMPLEMENTATIONS = ("fat5", "sdpa_dense_bias", "sdpa_efficient_bias", "flex_lut", "sdpa_nobias")
 DECODE_IMPLEMENTATIONS = ("fat5", "sdpa_dense_bias", "sdpa_nobias")
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 
 def dense_bias(table, length, causal):
@@ -139,7 +134,7 @@ def decode(args, stamp):
                         difference = (decode_step(name, q, k, v, table).float() - ours).abs().max().item()
                         if name == "sdpa_dense_bias" and difference > (5e-2 if args.dtype != "float32" else 1e-3):
                             row["status"] = f"mismatch: max|out - fat5| = {difference:.3g}"
-                        row["ms"] = time_ms(lambda: decode_step(name, q, k, v, table), args.reps, args.warmup)
+                        row["ms"] = common.time_ms(lambda: decode_step(name, q, k, v, table), args.reps, args.warmup)
                         times[name] = row["ms"]
                     except torch.cuda.OutOfMemoryError:
                         row["status"] = "oom"
@@ -149,28 +144,6 @@ def decode(args, stamp):
             ratio = f"{times['fat5'] / times['sdpa_nobias']:.2f}" if {"fat5", "sdpa_nobias"} <= set(times) else "-"
             lines.append(f"| {batch} | {key_length} | " + " | ".join(cells) + f" | {ratio} |")
     return rows, "\n".join(lines) + "\n"
-
-
-def time_ms(fn, reps, warmup):
-    for _ in range(warmup):
-        fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def measure(name, batch, length, args, causal, passes):
@@ -199,14 +172,12 @@ def measure(name, batch, length, args, causal, passes):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 base = torch.cuda.memory_allocated()
-            ms = time_ms(step, args.reps, args.warmup)
+            ms = common.time_ms(step, args.reps, args.warmup)
             row.update(ms=ms, tflops=flops * (3.5 if pass_name == "fwd+bwd" else 1) / ms / 1e9)
             if device == "cuda":
                 row["peak_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
-        except torch.cuda.OutOfMemoryError:
-            row["status"] = "oom"
-        except Exception as error:  # a peer failing at one size is recorded, and the run goes on
-            row["status"] = "error: " + (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        except Exception as error:  # a peer out of memory or failing at one size is recorded, and the run goes on
+            row["status"] = common.error_status(error)
         for tensor in (q, k, v, table):
             tensor.grad = None
         if device == "cuda":
@@ -239,11 +210,7 @@ def agreement(names, batch, length, args, causal):
 
 
 def device_name():
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU {platform.machine()} (interpreter)"
-
-
-def slug(text):
-    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+    return common.device_name() + ("" if torch.cuda.is_available() else " (interpreter)")
 
 
 def markdown(rows, args, stamp):
@@ -279,14 +246,9 @@ def markdown(rows, args, stamp):
 
 
 def plot(rows, args, path):
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
+    plt = common.pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     figure, axes = plt.subplots(2, 2, figsize=(11, 8), squeeze=False)
     for i, causal in enumerate((False, True)):
         for j, pass_name in enumerate(("fwd", "fwd+bwd")):
@@ -307,31 +269,29 @@ def plot(rows, args, path):
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", default="512,1024,2048,4096,8192,16384,32768")
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--tokens", type=int, default=32768, help="tokens a batch: batch = tokens // L")
+    parser.add_argument("--lengths", type=common.positive_ints, default="512,1024,2048,4096,8192,16384,32768")
+    parser.add_argument("--heads", type=common.positive_int, default=12)
+    parser.add_argument("--head-dim", type=common.positive_int, default=64)
+    parser.add_argument("--tokens", type=common.positive_int, default=32768, help="tokens a batch: batch = tokens // L")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--impl", default=",".join(IMPLEMENTATIONS))
     parser.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     parser.add_argument("--peer-max-length", type=int, default=16384, help="peers stop at this L (fat5 goes on)")
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--reps", type=common.positive_int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out-dir", type=Path, default=common.OUT_DIR)
     parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--update-results", action="store_true", help=f"append the table to {RESULTS}")
+    parser.add_argument("--update-results", action="store_true", help=f"append the table to {common.RESULTS}")
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script itself")
     parser.add_argument("--decode", action="store_true", help="time one generation step instead (Lq = 1)")
-    parser.add_argument("--decode-lengths", default="512,1024,2048,4096,8192", help="cache lengths Lk")
-    parser.add_argument("--decode-batches", default="1,32")
+    parser.add_argument("--decode-lengths", type=common.positive_ints, default="512,1024,2048,4096,8192",
+                        help="cache lengths Lk")
+    parser.add_argument("--decode-batches", type=common.positive_ints, default="1,32")
     args = parser.parse_args()
     if args.smoke:
-        args.lengths, args.heads, args.head_dim, args.tokens = "32,48", 2, 32, 96
+        args.lengths, args.heads, args.head_dim, args.tokens = [32, 48], 2, 32, 96
         args.dtype, args.reps, args.warmup, args.peer_max_length = "float32", 1, 0, 48
-        args.decode_lengths, args.decode_batches = "24", "1"
-    args.lengths = [int(length) for length in args.lengths.split(",")]
-    args.decode_lengths = [int(length) for length in args.decode_lengths.split(",")]
-    args.decode_batches = [int(batch) for batch in args.decode_batches.split(",")]
+        args.decode_lengths, args.decode_batches = [24], [1]
     args.impl = [name.strip() for name in args.impl.split(",")]
     unknown = sorted(set(args.impl) - set(IMPLEMENTATIONS))
     if unknown:
@@ -341,7 +301,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    stamp = datetime.date.today().isoformat()
+    stamp = common.today()
     causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     print(f"{device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
           f"transformers {transformers.__version__} | {stamp}")
@@ -370,18 +330,13 @@ def main():
     if not args.decode:
         table = markdown(rows, args, stamp)
     print("\n" + table)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    raw = args.out_dir / f"{slug(device_name())}_{stamp}{'_decode' if args.decode else ''}.json"
-    raw.write_text(json.dumps({"device": device_name(), "date": stamp, "torch": torch.__version__,
-                               "triton": triton.__version__, "transformers": transformers.__version__,
-                               "rows": rows}, indent=1) + "\n")
-    print(f"rows: {raw}")
+    settings = dict(heads=args.heads, head_dim=args.head_dim, dtype=args.dtype, tokens=args.tokens,
+                    reps=args.reps, warmup=args.warmup)
+    raw = common.write_rows("attention_decode" if args.decode else "attention", rows, settings, args.out_dir)
     if not args.no_plot and not args.decode:
-        plot(rows, args, args.out_dir / f"{slug(device_name())}_{stamp}.png")
+        plot(rows, args, raw.with_suffix(".png"))
     if args.update_results:
-        with open(RESULTS, "a") as results:
-            results.write("\n" + table)
-        print(f"appended to {RESULTS}")
+        common.append_results(table)
 
 
 if __name__ == "__main__":

@@ -1,29 +1,76 @@
-"""benchmarks/attention.py runs end to end (CPU, interpreter) and writes its raw rows. No timing is asserted."""
+"""The benchmark scripts run end to end on CPU (`--smoke`) and write their raw rows and tables, and refuse bad flags
+with one error line. No timing is asserted: only that rows exist, the JSON is valid and the ratios were computed."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "attention.py"
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def test_smoke_run_writes_rows(tmp_path):
-    result = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--no-plot", "--out-dir", str(tmp_path),
-                             "--impl", "fat5,sdpa_dense_bias,sdpa_nobias", "--causal", "yes"],
-                            capture_output=True, text=True, timeout=300)
+def run_smoke(script, tmp_path, *extra):
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke", "--no-plot", "--out-dir",
+                             str(tmp_path), *extra], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "| causal | pass | L |" in result.stdout
     (raw,) = tmp_path.glob("*.json")
-    rows = json.loads(raw.read_text())["rows"]
+    document = json.loads(raw.read_text())
+    assert {"device", "date", "torch", "transformers", "rows"} <= set(document)
+    return result.stdout, document["rows"]
+
+
+def table_rows(stdout, first_cell):
+    return [line for line in stdout.splitlines() if line.startswith(f"| {first_cell}")]
+
+
+def test_attention_smoke_writes_rows(tmp_path):
+    stdout, rows = run_smoke("attention.py", tmp_path, "--impl", "fat5,sdpa_dense_bias,sdpa_nobias",
+                             "--causal", "yes")
+    assert "| causal | pass | L |" in stdout
     assert {"implementation", "L", "batch", "causal", "pass", "tflops", "ms", "peak_mib", "status"} <= set(rows[0])
     assert {(r["implementation"], r["pass"]) for r in rows if r["status"] == "ok"} >= {
         ("fat5", "fwd"), ("fat5", "fwd+bwd"), ("sdpa_dense_bias", "fwd"), ("sdpa_dense_bias", "fwd+bwd")}
 
 
+def test_train_step_smoke_compares_fat5_with_transformers_t5(tmp_path):
+    stdout, rows = run_smoke("train_step.py", tmp_path)
+    assert "max|logits - T5 eager logits| / max|logits|" in stdout
+    ok = {(r["implementation"], r["L"]) for r in rows if r["status"] == "ok"}
+    assert ok >= {("fat5", 16), ("fat5", 32), ("t5_eager", 16), ("t5_eager", 32)}
+    for row in rows:
+        if row["status"] == "ok":
+            assert row["tokens_per_s"] > 0 and row["ms"] > 0 and row["batch"] * row["L"] == 64
+    # One table line per L, each ending in the two ratios (speed, memory); the speed ratio is always computed.
+    lines = table_rows(stdout, "16 |") + table_rows(stdout, "32 |")
+    assert len(lines) == 2
+    for line in lines:
+        speed = line.strip(" |").split(" | ")[-2]
+        assert speed.endswith("x") and float(speed[:-1]) > 0
+
+
+def test_generate_smoke_compares_fat5_with_transformers_t5(tmp_path):
+    stdout, rows = run_smoke("generate.py", tmp_path)
+    by_key = {(r["implementation"], r["cache"], r["batch"]): r for r in rows}
+    assert set(by_key) == {(name, cache, batch) for name in ("fat5", "t5_eager", "t5_sdpa")
+                           for cache in ("dynamic", "static") for batch in (1, 2)}
+    for name in ("fat5", "t5_eager"):
+        for cache in ("dynamic", "static"):
+            for batch in (1, 2):
+                row = by_key[(name, cache, batch)]
+                assert row["status"] == "ok" and row["tokens_per_s"] > 0
+                # Same weights, fp32, greedy: every model and cache produces FAT5's dynamic-cache tokens.
+                assert row["same_tokens_as_fat5"] is True
+    # A peer that cannot run here (transformers 4.57 has no SDPA T5) is an error row with its message, not a crash.
+    assert all(r["status"] == "ok" or r["status"].startswith("error: ") for r in rows)
+    best = table_rows(stdout, "1 | best") + table_rows(stdout, "2 | best")
+    assert len(best) == 2 and all(line.strip(" |").split(" | ")[-1].endswith("x") for line in best)
+
+
 def test_loss_memory_smoke_run(tmp_path):
     """benchmarks/loss_memory.py at tiny sizes: both steps counted, chunked loss and gradients equal to the full."""
-    script = SCRIPT.parent / "loss_memory.py"
+    script = BENCHMARKS / "loss_memory.py"
     output = tmp_path / "loss_memory.json"
     result = subprocess.run([sys.executable, str(script), "--smoke", "--output", str(output)],
                             capture_output=True, text=True, timeout=300)
@@ -35,11 +82,20 @@ def test_loss_memory_smoke_run(tmp_path):
 
 
 def test_decode_smoke_run_writes_rows(tmp_path):
-    result = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--decode", "--out-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "| batch | Lk | fat5 | sdpa_dense_bias | sdpa_nobias |" in result.stdout
-    (raw,) = tmp_path.glob("*_decode.json")
-    rows = json.loads(raw.read_text())["rows"]
+    stdout, rows = run_smoke("attention.py", tmp_path, "--decode")
+    assert "| batch | Lk | fat5 | sdpa_dense_bias | sdpa_nobias |" in stdout
     assert {(r["implementation"], r["batch"]) for r in rows if r["status"] == "ok"} == {
         (name, 1) for name in ("fat5", "sdpa_dense_bias", "sdpa_nobias")}
+
+
+@pytest.mark.parametrize("script, flags, message", [
+    ("train_step.py", ["--lengths", "512,0"], "argument --lengths: 0 is not a positive integer"),
+    ("generate.py", ["--shape", "d_model=x"], "error: --shape d_model: 'x' is not an integer"),
+    ("attention.py", ["--decode", "--decode-batches", "one"], "argument --decode-batches: 'one' is not an integer"),
+])
+def test_bad_flag_is_one_error_line_and_nonzero_exit(tmp_path, script, flags, message):
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), *flags, "--out-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].endswith(message)
+    assert "Traceback" not in result.stderr and not any(tmp_path.iterdir())  # nothing measured, nothing written

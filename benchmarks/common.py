@@ -1,0 +1,295 @@
+"""Plumbing shared by the benchmark scripts: timing, peak memory, the run header, raw rows, RESULTS.md, and the
+transformers T5 / FAT5 pair with the same weights that train_step.py and generate.py compare."""
+
+import argparse
+import ctypes
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # this checkout's fat5 and convert, not an installed copy
+
+import transformers  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+OUT_DIR = ROOT / "benchmarks" / "results"
+# FAT5's T5 family: transformers' T5 v1.1-base shape (random weights; the vocabulary is T5's).
+V11_BASE = dict(vocab_size=32128, d_model=768, d_kv=64, d_ff=2048, num_layers=12, num_heads=12,
+                feed_forward_proj="gated-gelu")
+# The `--smoke` shape: every code path, a few seconds on CPU.
+SMOKE_SHAPE = dict(vocab_size=128, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
+                   feed_forward_proj="gated-gelu")
+# transformers' name for each T5 attention implementation we compare against.
+T5_ATTENTION = {"t5_eager": "eager", "t5_sdpa": "sdpa", "t5_flex": "flex_attention"}
+
+
+def device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_name():
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU {platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def versions():
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"torch": torch.__version__, "triton": triton_version, "transformers": transformers.__version__}
+
+
+def today():
+    return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+
+
+def header():
+    return " | ".join([device_name()] + [f"{name} {version}" for name, version in versions().items()] + [today()])
+
+
+def slug(text):
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+
+
+def synchronize():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, reps, warmup):
+    """Median milliseconds of `fn()` over `reps` calls after `warmup` calls (CUDA events on GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _resident_kib(field):
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+def _trim_heap():
+    """Give glibc's free heap pages back to the OS (no-op elsewhere), so resident memory is live memory."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+@contextmanager
+def peak_memory():
+    """Yields a dict whose "mib" is, on exit, the peak memory above the level at entry: CUDA's allocator peak on
+    GPU; on CPU the process's resident high-water mark (Linux resets it through /proc/self/clear_refs), None
+    where that is unavailable. Memory the allocator caches without using is not counted on GPU; on CPU the
+    baseline is taken after glibc returns its free heap, and blocks it keeps during the step are counted, so CPU
+    figures are upper bounds."""
+    result = {"mib": None}
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        yield result
+        torch.cuda.synchronize()
+        result["mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+        return
+    _trim_heap()
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")  # reset VmHWM to the current resident size
+        base = _resident_kib("VmRSS")
+    except OSError:
+        yield result
+        return
+    yield result
+    result["mib"] = round((_resident_kib("VmHWM") - base) / 1024, 1)
+
+
+def error_status(error):
+    """The status a row records for an exception: "oom", or "error: <first line>"."""
+    if isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower():
+        return "oom"
+    return "error: " + (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
+def release_memory():
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def ratio(ours, theirs):
+    """ours / theirs as "2.50x", or "-" when either is missing."""
+    return f"{ours / theirs:.2f}x" if ours and theirs else "-"
+
+
+def write_rows(benchmark, rows, settings, out_dir):
+    """Raw rows plus device, versions, date and settings as JSON: <out_dir>/<benchmark>_<device>_<date>.json."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{benchmark}_{slug(device_name())}_{today()}.json"
+    document = {"benchmark": benchmark, "device": device_name(), "date": today(), **versions(),
+                "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "settings": settings, "rows": rows}
+    path.write_text(json.dumps(document, indent=1, default=str) + "\n")
+    print(f"rows: {path}")
+    return path
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (with a message) when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def append_results(table):
+    with open(RESULTS, "a") as results:
+        results.write("\n" + table)
+    print(f"appended to {RESULTS}")
+
+
+# ---- transformers' T5 and FAT5 with the same weights -------------------------------------------------------
+
+
+def t5_reference(shape, seed=0):
+    """transformers' T5ForConditionalGeneration (eager) with random weights and an untied LM head (v1.1), no
+    dropout, fp32 on CPU: the weights every compared model copies."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(**shape, tie_word_embeddings=False, dropout_rate=0.0, decoder_start_token_id=0,
+                      pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(seed)
+    model = T5ForConditionalGeneration._from_config(config, attn_implementation="eager")
+    # transformers 5 ties the head to the embedding whatever the flag says; v1.1 has its own head.
+    model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.shared.weight) * shape["d_model"] ** -0.5)
+    return model.eval()
+
+
+def build_model(name, reference):
+    """A fresh fp32 CPU copy of `reference`'s weights as model `name`: "fat5" (through the converter's config
+    and mapping, which is the identity on names) or one of T5_ATTENTION."""
+    if name == "fat5":
+        from convert.checkpoint import EMBEDDING_COPIES, UNUSED_SOURCE_TENSORS, fat5_config_from_t5
+        from fat5.modeling_fat5 import FAT5ForConditionalGeneration
+
+        config = fat5_config_from_t5(reference.config.to_dict(), lm_head_tied=False)
+        with torch.device("meta"):
+            model = FAT5ForConditionalGeneration(config)
+        state = {key: tensor.clone() for key, tensor in reference.state_dict().items()
+                 if key not in EMBEDDING_COPIES + UNUSED_SOURCE_TENSORS}
+        model.load_state_dict(state, strict=True, assign=True)
+        return model.eval()
+    from transformers import T5ForConditionalGeneration
+
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration._from_config(reference.config, attn_implementation=T5_ATTENTION[name])
+    model.lm_head.weight = torch.nn.Parameter(torch.empty_like(model.shared.weight))  # untied, as the reference
+    model.load_state_dict({key: tensor.clone() for key, tensor in reference.state_dict().items()},
+                          strict=True, assign=True)
+    model.encoder.embed_tokens = model.decoder.embed_tokens = model.shared
+    return model.eval()
+
+
+def check_batch(vocab_size, device_, length=64, batch=2):
+    generator = torch.Generator().manual_seed(1)
+    return dict(input_ids=torch.randint(2, vocab_size, (batch, length), generator=generator).to(device_),
+                labels=torch.randint(2, vocab_size, (batch, min(length, 16)), generator=generator).to(device_))
+
+
+def logits(model, batch):
+    with torch.no_grad():
+        return model(**batch).logits.float()
+
+
+def relative_difference(actual, expected):
+    """max |actual - expected| / max |expected|."""
+    return ((actual - expected).abs().max() / expected.abs().max()).item()
+
+
+LOGIT_TOLERANCE = 1e-4  # fp32 logits, relative to their largest magnitude
+
+
+def checked_model(name, reference, batch, expected):
+    """(model on the device, None) when model `name` built from `reference` gives the eager T5's fp32 logits
+    `expected` on `batch`; otherwise (None, the status its rows record), e.g. a peer this transformers lacks."""
+    try:
+        model = build_model(name, reference).to(device())
+        difference = relative_difference(logits(model, batch), expected)
+    except Exception as error:  # a peer that cannot run here: its rows say why
+        status = error_status(error)
+        print(f"{name}: {status}", flush=True)
+        return None, status
+    print(f"{name}: max|logits - T5 eager logits| / max|logits| = {difference:.2g}", flush=True)
+    if difference > LOGIT_TOLERANCE:
+        return None, f"mismatch: relative logit difference {difference:.2g}"
+    return model, None
+
+
+def positive_int(text):
+    """argparse type: an integer >= 1 (argparse turns the error into one line and exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def positive_ints(text):
+    """argparse type: comma-separated integers >= 1, e.g. "512,1024"."""
+    return [positive_int(item) for item in text.split(",")]
+
+
+def parse_shape(text, base):
+    """`base` (a T5 config shape) with "key=value,..." overrides; one error line and a non-zero exit if bad."""
+    shape = dict(base)
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in shape:
+            sys.exit(f"error: --shape key {key!r} is not one of {sorted(shape)}")
+        if key == "feed_forward_proj":
+            shape[key] = value
+            continue
+        try:
+            shape[key] = positive_int(value)
+        except argparse.ArgumentTypeError as error:
+            sys.exit(f"error: --shape {key}: {error}")
+    return shape

@@ -1,12 +1,12 @@
 """Peak memory of one training step (forward + backward) of an mT5-vocabulary FAT5: the LM loss on full fp32
 logits (`config.return_logits_in_training=True`, what FAT5 did before) against the chunked linear cross-entropy
-(the default), with loss and gradients compared.
+(the default), with loss and gradients compared and both steps timed side by side.
 
 Peaks are counted by torch's MemTracker (live tensor storages, 512-byte rounding, parameters and gradients
 included). The full-logits step at 8,192 target tokens needs more memory than a small machine has, so by default
 both steps are counted under FakeTensorMode (shapes and dtypes only, nothing allocated), the chunked step is also
-run for real at full size to check the fake count, and loss and gradients are compared in real runs at
-`--check-tokens`.
+run for real at full size to check the fake count, and loss, gradients and step time are compared in real runs
+at `--check-tokens`.
 
     python benchmarks/loss_memory.py                # mT5 vocabulary, 8,192 target tokens
     python benchmarks/loss_memory.py --smoke        # seconds: small vocabulary and batch
@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import transformers  # noqa: E402
 
+import common  # noqa: E402
 from fat5.configuration_fat5 import FAT5Config  # noqa: E402
 from fat5.modeling_fat5 import FAT5ForConditionalGeneration  # noqa: E402
 
@@ -73,18 +74,21 @@ def fake_peaks(vocab_size, d_model, tokens):
         return {name: tracked_peak(model, batch, full) for name, full in STEPS.items()}
 
 
-def compare(vocab_size, d_model, tokens):
-    """Relative differences of loss and of every gradient, chunked vs full logits (real fp32 run)."""
+def compare(vocab_size, d_model, tokens, reps):
+    """Relative differences of loss and of every gradient, chunked vs full logits, and the median milliseconds
+    of each step (real fp32 run, one process)."""
     model, batch = build(vocab_size, d_model, tokens)
-    results = {}
+    results, step_ms = {}, {}
     for name, full in STEPS.items():
         loss = step(model, batch, full)
         results[name] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        step_ms[name] = common.time_ms(lambda full=full: step(model, batch, full), reps, warmup=1)
     (loss_full, grads_full), (loss_chunked, grads_chunked) = results.values()
     worst = max(((grads_chunked[n] - g).abs().max() / g.abs().max()).item() for n, g in grads_full.items())
     return {"loss_full": loss_full.item(), "loss_chunked": loss_chunked.item(),
             "loss_relative_difference": abs((loss_chunked - loss_full) / loss_full).item(),
-            "max_gradient_relative_difference": worst}
+            "max_gradient_relative_difference": worst, "step_ms": step_ms,
+            "speed_chunked_over_full": step_ms["full fp32 logits"] / step_ms["chunked (default)"]}
 
 
 def main():
@@ -93,17 +97,18 @@ def main():
     parser.add_argument("--d-model", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=8192, help="target tokens per step")
     parser.add_argument("--check-tokens", type=int, default=1024, help="tokens of the real loss/gradient check")
+    parser.add_argument("--reps", type=int, default=5, help="timed steps of each kind at --check-tokens")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
     parser.add_argument("--output", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
     if args.smoke:
-        args.vocab_size, args.tokens, args.check_tokens = 5000, 2048, 256
+        args.vocab_size, args.tokens, args.check_tokens, args.reps = 5000, 2048, 256, 1
     start = time.time()
     peaks = fake_peaks(args.vocab_size, args.d_model, args.tokens)
     model, batch = build(args.vocab_size, args.d_model, args.tokens)
     real_chunked = tracked_peak(model, batch, full_logits=False)
     del model, batch
-    check = compare(args.vocab_size, args.d_model, args.check_tokens)
+    check = compare(args.vocab_size, args.d_model, args.check_tokens, args.reps)
     full, chunked = peaks["full fp32 logits"], peaks["chunked (default)"]
     result = {
         "vocab_size": args.vocab_size, "d_model": args.d_model, "target_tokens": args.tokens,
@@ -120,7 +125,10 @@ def main():
     print(f"  chunked, real run    peak {real_chunked / gib:8.3f} GiB")
     print(f"  full / chunked = {full / chunked:.1f}x")
     print(f"  real check at {args.check_tokens} tokens: loss rel diff {check['loss_relative_difference']:.2e}, "
-          f"max gradient rel diff {check['max_gradient_relative_difference']:.2e}", flush=True)
+          f"max gradient rel diff {check['max_gradient_relative_difference']:.2e}")
+    timings = ", ".join(f"{name} {ms:.1f} ms" for name, ms in check["step_ms"].items())
+    print(f"  step time at {args.check_tokens} tokens: {timings}; chunked is "
+          f"{check['speed_chunked_over_full']:.2f}x the full-logits speed", flush=True)
     if args.output:
         args.output.write_text(json.dumps(result, indent=2) + "\n")
     if not args.smoke and full < 4 * chunked:

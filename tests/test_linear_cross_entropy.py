@@ -68,6 +68,23 @@ def test_batched_hidden_states_and_frozen_head():
     close(grad, expected_grad, torch.float32, "hidden grad")
 
 
+def test_loss_without_gradients_and_a_second_backward():
+    """No gradient wanted (no_grad, or nothing requires it): the loss alone. The gradients are computed in the
+    forward and scaled in place by the backward, so a second backward through the same loss is refused."""
+    hidden, weight = torch.randn(TOKENS, DIM), torch.randn(VOCAB, DIM)
+    labels = torch.randint(0, VOCAB, (TOKENS,))
+    expected = linear_cross_entropy_reference(hidden, weight, labels, z_loss=1e-3)
+    close(linear_cross_entropy(hidden, weight, labels, z_loss=1e-3), expected, torch.float32, "frozen")
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden.requires_grad_(), weight, labels, z_loss=1e-3)
+    assert not loss.requires_grad
+    close(loss, expected, torch.float32, "no_grad")
+    loss = linear_cross_entropy(hidden, weight, labels) * 3.0
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
 def test_liger_and_unknown_implementations_fail_clearly_on_cpu():
     hidden, weight, labels = torch.randn(4, DIM), torch.randn(VOCAB, DIM), torch.randint(0, VOCAB, (4,))
     with pytest.raises((ValueError, ImportError), match="liger"):

@@ -1,9 +1,9 @@
-"""LM head + cross-entropy without the (tokens, vocab) fp32 logits: chunked forward, recomputed backward.
+"""LM head + cross-entropy without the (tokens, vocab) fp32 logits: chunked, gradients computed in the forward.
 
 At mT5's vocabulary (250,112) and 8,192 target tokens the full logits are 8.2 GB in fp32, and the plain loss
 keeps several such tensors alive (logits, log-softmax, their gradient). Here the tokens are cut into chunks
-whose logits fit in `CHUNK_BYTES`: the forward keeps only the per-chunk loss sums, the backward recomputes each
-chunk's logits and turns them into gradients of the hidden states and of the head's weight at once.
+whose logits fit in `CHUNK_BYTES`, and each chunk's logits are turned, in place, into their contribution to the
+loss and to the gradients of the hidden states and of the head's weight before the next chunk is computed.
 
 Loss (the same as `seq2seq_lm_loss` on full logits, the plain reference beside it): cross-entropy with optional
 label smoothing over tokens whose label is not -100, plus `z_loss * logsumexp(logits)**2` on the same tokens;
@@ -55,7 +55,7 @@ def _chunk_logits(hidden, weight):
 
 
 def _chunk_loss_sum(logits, labels, label_smoothing, z_loss):
-    """Sum over the chunk's real tokens of smoothed cross-entropy + z-loss."""
+    """Sum over the chunk's real tokens of smoothed cross-entropy + z-loss, and every token's logsumexp."""
     real = labels != IGNORE_INDEX
     log_z = torch.logsumexp(logits, dim=-1)
     target = logits.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1)
@@ -64,56 +64,77 @@ def _chunk_loss_sum(logits, labels, label_smoothing, z_loss):
         loss = loss - label_smoothing * logits.mean(dim=-1)
     if z_loss > 0:
         loss = loss + z_loss * log_z.pow(2)
-    return torch.where(real, loss, 0.0).sum()
+    return torch.where(real, loss, 0.0).sum(), log_z
 
 
-def _chunk_logits_grad(logits, labels, label_smoothing, z_loss):
-    """d(chunk loss sum)/d(logits): softmax * (1 + 2 z log_z) - (1 - eps) one_hot - eps / V; zero on -100 rows."""
-    real = labels != IGNORE_INDEX
-    log_z = torch.logsumexp(logits, dim=-1, keepdim=True)
-    grad = torch.exp(logits - log_z)
-    if z_loss > 0:
-        grad = grad * (1.0 + 2.0 * z_loss * log_z)
+def _chunk_logits_grad_(logits, log_z, labels, row_scale, label_smoothing, z_loss):
+    """row_scale * d(token loss)/d(logits), written over `logits`:
+    softmax * (1 + 2 z log_z) - (1 - eps) one_hot - eps / V, where row_scale is 0 on -100 rows.
+
+    In place, with the forward's logsumexp: each elementwise pass over a chunk's logits costs about as much
+    as the chunk's matmul on a GPU, and a fresh allocation per pass costs page faults on a CPU."""
+    log_z = log_z.unsqueeze(1)
+    grad = logits.sub_(log_z).exp_()
+    grad.mul_(row_scale * (1.0 + 2.0 * z_loss * log_z) if z_loss > 0 else row_scale)
     if label_smoothing > 0:
-        grad = grad - label_smoothing / logits.shape[-1]
-    grad = grad.scatter_add(1, labels.clamp(min=0).unsqueeze(1),
-                            torch.full_like(grad[:, :1], label_smoothing - 1.0))
-    return grad * real.unsqueeze(1)
+        grad.sub_(row_scale * (label_smoothing / logits.shape[-1]))
+    return grad.scatter_add_(1, labels.clamp(min=0).unsqueeze(1), row_scale * (label_smoothing - 1.0))
+
+
+def _chunked_loss_and_grads(hidden, weight, labels, label_smoothing, z_loss, grad_hidden, grad_weight):
+    """Loss sum over real tokens; when given, fills fp32 `grad_hidden` (N, D) and adds into fp32 `grad_weight`
+    (V, D) the gradients of that sum, one chunk of logits at a time."""
+    chunk = _chunk_size(hidden.shape[0], weight.shape[0])
+    row_scale = (labels != IGNORE_INDEX).float().unsqueeze(1)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        logits = _chunk_logits(hidden[rows], weight)
+        chunk_total, log_z = _chunk_loss_sum(logits, labels[rows], label_smoothing, z_loss)
+        total = total + chunk_total
+        if grad_hidden is None and grad_weight is None:
+            continue
+        grad_logits = _chunk_logits_grad_(logits, log_z, labels[rows], row_scale[rows], label_smoothing, z_loss)
+        grad_logits = grad_logits.to(weight.dtype)
+        if grad_hidden is not None:
+            grad_hidden[rows] = grad_logits @ weight
+        if grad_weight is not None:
+            grad_weight += (grad_logits.t() @ hidden[rows]).float()
+    return total
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Sum over real tokens of the per-token loss of `hidden @ weight.T`; hidden (N, D), weight (V, D)."""
+    """Sum over real tokens of the per-token loss of `hidden @ weight.T`; hidden (N, D), weight (V, D).
+
+    The gradients are computed in the forward, while each chunk's logits exist (as liger-kernel does), so the
+    head's matmul is not recomputed; the backward only scales them. They cost no extra peak memory: the weight's
+    gradient is needed from the very start of the backward anyway, and the hidden states' is (N, D)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, label_smoothing, z_loss):
-        chunk = _chunk_size(hidden.shape[0], weight.shape[0])
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for start in range(0, hidden.shape[0], chunk):
-            logits = _chunk_logits(hidden[start:start + chunk], weight)
-            total = total + _chunk_loss_sum(logits, labels[start:start + chunk], label_smoothing, z_loss)
-        ctx.save_for_backward(hidden, weight, labels)
-        ctx.label_smoothing, ctx.z_loss = label_smoothing, z_loss
+    def forward(ctx, hidden, weight, labels, label_smoothing, z_loss, hidden_needs_grad, weight_needs_grad):
+        grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) \
+            if hidden_needs_grad else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if weight_needs_grad else None
+        total = _chunked_loss_and_grads(hidden, weight, labels, label_smoothing, z_loss, grad_hidden, grad_weight)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        ctx.backward_done = False
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        hidden, weight, labels = ctx.saved_tensors
-        chunk = _chunk_size(hidden.shape[0], weight.shape[0])
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
-        for start in range(0, hidden.shape[0], chunk):
-            chunk_hidden = hidden[start:start + chunk]
-            logits = _chunk_logits(chunk_hidden, weight)
-            grad_logits = _chunk_logits_grad(logits, labels[start:start + chunk], ctx.label_smoothing, ctx.z_loss)
-            grad_logits = (grad_logits * grad_total).to(weight.dtype)
-            if grad_hidden is not None:
-                grad_hidden[start:start + chunk] = grad_logits @ weight
-            if grad_weight is not None:
-                grad_weight += (grad_logits.t() @ chunk_hidden).float()
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        if ctx.backward_done:  # the stored gradients were scaled in place by the first backward
+            raise RuntimeError("linear_cross_entropy: a second backward through the same loss is not supported; "
+                               "compute the loss again")
+        ctx.backward_done = True
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.mul_(grad_total).to(hidden_dtype)
+        if grad_weight is not None:  # in place: a (V, D) copy at the start of the backward would raise the peak
+            grad_weight = grad_weight.mul_(grad_total).to(weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _liger_linear_cross_entropy(hidden, weight, labels, label_smoothing, z_loss, reduction):
@@ -142,7 +163,11 @@ def linear_cross_entropy(hidden, weight, labels, label_smoothing=0.0, z_loss=0.0
         reduction = "mean" if num_items_in_batch is None else "sum"
         loss = _liger_linear_cross_entropy(hidden, weight, labels, label_smoothing, z_loss, reduction)
         return loss if num_items_in_batch is None else loss / num_items_in_batch
-    total = ChunkedLinearCrossEntropy.apply(hidden, weight, labels, float(label_smoothing), float(z_loss))
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        total = ChunkedLinearCrossEntropy.apply(hidden, weight, labels, float(label_smoothing), float(z_loss),
+                                                hidden.requires_grad, weight.requires_grad)
+    else:  # evaluation: the loss alone
+        total = _chunked_loss_and_grads(hidden, weight, labels, float(label_smoothing), float(z_loss), None, None)
     if num_items_in_batch is None:
         return total / (labels != IGNORE_INDEX).sum()
     return total / num_items_in_batch

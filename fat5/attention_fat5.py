@@ -68,16 +68,24 @@ def dense_bias(query_length, key_length, *, bias_table=None, bidirectional=True,
                max_distance=128, alibi_slopes=None, position_bias=None, q_offset=0, device=None):
     """The additive bias as a dense (1 | B, H, Lq, Lk) float tensor, or None. Reference backends only."""
     bias = position_bias
-    if bias_table is not None or alibi_slopes is not None:
+    if bias_table is not None:
+        table_bias = _table_bias(bias_table, query_length, key_length, bidirectional, num_buckets, max_distance,
+                                 q_offset, device).unsqueeze(0)
+        bias = table_bias if bias is None else bias + table_bias
+    if alibi_slopes is not None:
         relative = relative_positions(query_length, key_length, q_offset, device)
-        if bias_table is not None:
-            buckets = relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
-            table_bias = bias_table[buckets].permute(2, 0, 1).unsqueeze(0)
-            bias = table_bias if bias is None else bias + table_bias
-        if alibi_slopes is not None:
-            alibi = -alibi_slopes[:, None, None] * relative.abs().to(alibi_slopes.dtype)
-            bias = alibi.unsqueeze(0) if bias is None else bias + alibi
+        alibi = -alibi_slopes[:, None, None] * relative.abs().to(alibi_slopes.dtype)
+        bias = alibi.unsqueeze(0) if bias is None else bias + alibi
     return bias
+
+
+def _table_bias(bias_table, query_length, key_length, bidirectional, num_buckets, max_distance, q_offset, device):
+    """(H, Lq, Lk) bias from a (num_buckets, H) table. The bucket depends only on key - query, so it is computed
+    for the Lq + Lk - 1 distances and spread over the grid by one gather (bucketing all Lq * Lk pairs with its
+    log and divisions cost twice the gather on CPU at L = 4096)."""
+    distances = torch.arange(1 - query_length, key_length, device=device) - q_offset
+    per_distance = bias_table[relative_position_bucket(distances, bidirectional, num_buckets, max_distance)].t()
+    return per_distance[:, relative_positions(query_length, key_length, device=device) + (query_length - 1)]
 
 
 def visibility_mask(query_length, key_length, *, key_padding_mask=None, causal=False, q_offset=0,

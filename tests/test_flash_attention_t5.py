@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from fat5.attention_fat5 import alibi_slopes, relative_position_bucket
+from fat5.attention_fat5 import alibi_slopes, dense_bias, relative_position_bucket, relative_positions
 from fat5.kernels import flash_attention_t5 as kernel_module
 from fat5.kernels.flash_attention_t5 import (
     flash_attention_t5,
@@ -87,6 +87,19 @@ def test_bias_lut_matches_torch_bucketing_at_every_distance():
             buckets = relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
             assert torch.equal(lut[:, clamped], table[buckets].t())
 
+
+
+@pytest.mark.parametrize("query_length, key_length, q_offset", [
+    (37, 37, 0), (19, 45, 0), (50, 23, 0), (1, 300, 299), (4, 300, torch.tensor(140))])
+def test_reference_dense_bias_buckets_every_query_key_pair_as_t5(query_length, key_length, q_offset):
+    """The eager/SDPA bias is bucketed once per distance; it equals T5's bucketing of every (query, key) pair."""
+    table = torch.randn(32, 3, dtype=torch.float64)
+    relative = relative_positions(query_length, key_length, q_offset)
+    for bidirectional in (True, False):
+        expected = table[relative_position_bucket(relative, bidirectional, 32, 128)].permute(2, 0, 1)[None]
+        actual = dense_bias(query_length, key_length, bias_table=table, bidirectional=bidirectional,
+                            q_offset=q_offset)
+        assert torch.equal(actual, expected)
 
 @pytest.mark.parametrize("query_length, key_length", [(37, 37), (19, 45), (50, 23)])
 @pytest.mark.parametrize("padding", ["none", "right", "left"])

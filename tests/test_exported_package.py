@@ -18,7 +18,8 @@ folder, prompts, out_path = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 result = {"importable": [m for m in ("fat5", "convert") if importlib.util.find_spec(m) is not None]}
 model = AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True).eval()
 base = AutoModel.from_pretrained(folder, trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained(folder)
+tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)  # as the README and the card show it
+result["tokenizer_class"] = type(tokenizer).__name__
 result["classes"] = [type(model).__name__, type(model).__module__, type(base).__name__]
 batch = tokenizer(prompts, padding=True, return_tensors="pt")
 with torch.no_grad():
@@ -44,8 +45,10 @@ def exported(tmp_path_factory):
 def test_demo_checkpoint_round_trips_through_a_clean_process(exported, tmp_path):
     prompts = [prompt for prompt, _ in DEMO_PROMPTS]
     expected = [answer for _, answer in DEMO_PROMPTS]
-    result = run_isolated(CHILD, [exported, json.dumps(prompts)], cwd=tmp_path)
+    result, output = run_isolated(CHILD, [exported, json.dumps(prompts)], cwd=tmp_path, with_output=True)
     assert result["importable"] == []
+    assert "T5Tokenizer" in result["tokenizer_class"]
+    assert "custom code" not in output and "model of type" not in output, output[-2000:]
     class_name, module, base_name = result["classes"]
     assert class_name == "FAT5ForConditionalGeneration" and module.startswith("transformers_modules")
     assert base_name == "FAT5Model"

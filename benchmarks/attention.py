@@ -18,7 +18,6 @@ transformers builds, sdpa_nobias as the bar to reach), in microseconds, batch 1 
 import argparse
 import os
 import sys
-from pathlib import Path
 
 import torch
 
@@ -261,10 +260,7 @@ def plot(rows, args, path):
             axis.set(xscale="log", xlabel="L", ylabel="TFLOP/s",
                      title=f"{'decoder (causal)' if causal else 'encoder'} {pass_name}")
             axis.legend(fontsize=7)
-    figure.suptitle(f"T5 attention, {device_name()}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    common.save_figure(figure, f"T5 attention, {device_name()}", path)
 
 
 def parse_args():
@@ -279,10 +275,7 @@ def parse_args():
     parser.add_argument("--peer-max-length", type=int, default=16384, help="peers stop at this L (fat5 goes on)")
     parser.add_argument("--reps", type=common.positive_int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--out-dir", type=Path, default=common.OUT_DIR)
-    parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--update-results", action="store_true", help=f"append the table to {common.RESULTS}")
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script itself")
+    common.add_output_arguments(parser)
     parser.add_argument("--decode", action="store_true", help="time one generation step instead (Lq = 1)")
     parser.add_argument("--decode-lengths", type=common.positive_ints, default="512,1024,2048,4096,8192",
                         help="cache lengths Lk")
@@ -329,14 +322,10 @@ def main():
                 rows.extend(new_rows)
     if not args.decode:
         table = markdown(rows, args, stamp)
-    print("\n" + table)
     settings = dict(heads=args.heads, head_dim=args.head_dim, dtype=args.dtype, tokens=args.tokens,
                     reps=args.reps, warmup=args.warmup)
-    raw = common.write_rows("attention_decode" if args.decode else "attention", rows, settings, args.out_dir)
-    if not args.no_plot and not args.decode:
-        plot(rows, args, raw.with_suffix(".png"))
-    if args.update_results:
-        common.append_results(table)
+    common.report("attention_decode" if args.decode else "attention", rows, table, settings, args,
+                  None if args.decode else plot)
 
 
 if __name__ == "__main__":

@@ -185,6 +185,31 @@ def append_results(table):
     print(f"appended to {RESULTS}")
 
 
+def add_output_arguments(parser):
+    """The output options every benchmark script takes."""
+    parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--update-results", action="store_true", help=f"append the table to {RESULTS}")
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script itself")
+
+
+def report(benchmark, rows, table, settings, args, plot=None):
+    """Print the table, write the raw rows (and `plot(rows, args, png_path)`), append the table when asked."""
+    print("\n" + table)
+    path = write_rows(benchmark, rows, settings, args.out_dir)
+    if plot is not None and not args.no_plot:
+        plot(rows, args, path.with_suffix(".png"))
+    if args.update_results:
+        append_results(table)
+
+
+def save_figure(figure, title, path):
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
 # ---- transformers' T5 and FAT5 with the same weights -------------------------------------------------------
 
 
@@ -225,6 +250,24 @@ def build_model(name, reference):
                           strict=True, assign=True)
     model.encoder.embed_tokens = model.decoder.embed_tokens = model.shared
     return model.eval()
+
+
+def add_model_arguments(parser, dtype_help=None):
+    """--shape and --dtype of the whole-model scripts (train_step.py, generate.py)."""
+    parser.add_argument("--shape", default="", help="T5 config overrides of the v1.1-base shape, e.g. "
+                        "d_model=256,num_layers=4,num_heads=4,d_ff=1024")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                        default="bfloat16" if torch.cuda.is_available() else "float32", help=dtype_help)
+
+
+def reference_and_check(shape):
+    """Print the run header; return the reference T5 (on CPU), a check batch and its fp32 logits (on the device)."""
+    print(header(), flush=True)
+    reference = t5_reference(shape)
+    batch = check_batch(shape["vocab_size"], device())
+    expected = logits(reference.to(device()), batch)
+    reference.cpu()
+    return reference, batch, expected
 
 
 def check_batch(vocab_size, device_, length=64, batch=2):

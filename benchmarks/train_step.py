@@ -124,10 +124,7 @@ def plot(rows, args, path):
     axes[1].set(xscale="log", xlabel="L (encoder)", ylabel="MiB above resting", title="peak memory")
     for axis in axes:
         axis.legend(fontsize=7)
-    figure.suptitle(f"T5 training step, {common.device_name()}")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    common.save_figure(figure, f"T5 training step, {common.device_name()}", path)
 
 
 def parse_args():
@@ -138,17 +135,11 @@ def parse_args():
                         help="encoder tokens a batch: batch = tokens // L")
     parser.add_argument("--decoder-length", type=common.positive_int, default=128)
     parser.add_argument("--impl", default=DEFAULT_IMPL)
-    parser.add_argument("--shape", default="", help="T5 config overrides of the v1.1-base shape, e.g. "
-                        "d_model=256,num_layers=4,num_heads=4,d_ff=1024")
-    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
-                        default="bfloat16" if torch.cuda.is_available() else "float32",
-                        help="autocast dtype (weights and AdamW state stay fp32, as Trainer's bf16=True)")
+    common.add_model_arguments(
+        parser, dtype_help="autocast dtype (weights and AdamW state stay fp32, as Trainer's bf16=True)")
     parser.add_argument("--reps", type=common.positive_int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out-dir", type=common.Path, default=common.OUT_DIR)
-    parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--update-results", action="store_true", help=f"append the table to {common.RESULTS}")
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script itself")
+    common.add_output_arguments(parser)
     args = parser.parse_args()
     base = common.V11_BASE
     if args.smoke:
@@ -168,11 +159,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    print(common.header(), flush=True)
-    reference = common.t5_reference(args.shape)
-    batch = common.check_batch(args.shape["vocab_size"], common.device())
-    expected = common.logits(reference.to(common.device()), batch)
-    reference.cpu()
+    reference, batch, expected = common.reference_and_check(args.shape)
     rows = []
     for name in args.impl:
         model, status = common.checked_model(name.removesuffix("+compile"), reference, batch, expected)
@@ -185,14 +172,9 @@ def main():
         del model
         common.release_memory()
     table = markdown(rows, args)
-    print("\n" + table)
     settings = dict(shape=args.shape, dtype=args.dtype, tokens=args.tokens, decoder_length=args.decoder_length,
                     reps=args.reps, warmup=args.warmup)
-    path = common.write_rows("train_step", rows, settings, args.out_dir)
-    if not args.no_plot:
-        plot(rows, args, path.with_suffix(".png"))
-    if args.update_results:
-        common.append_results(table)
+    common.report("train_step", rows, table, settings, args, plot)
 
 
 if __name__ == "__main__":

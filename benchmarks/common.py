@@ -185,6 +185,18 @@ def append_results(table):
     print(f"appended to {RESULTS}")
 
 
+def markdown_head(title, description, columns):
+    """First lines of a results table: heading with device and date; versions, the command that ran and
+    `description`; the column header."""
+    command = " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}"] + sys.argv[1:])
+    return [f"### {title}, {device_name()}, {today()}",
+            "",
+            ", ".join(f"{name} {version}" for name, version in versions().items()) + f"; `{command}`; " + description,
+            "",
+            "| " + " | ".join(columns) + " |",
+            "|" + " --- |" * len(columns)]
+
+
 def add_output_arguments(parser):
     """The output options every benchmark script takes."""
     parser.add_argument("--out-dir", type=Path, default=OUT_DIR)

@@ -15,7 +15,6 @@ cache) for the same inputs.
 """
 
 import argparse
-import sys
 
 import torch
 
@@ -77,16 +76,12 @@ def best(rows, batch, prefix, cache=None):
 
 
 def markdown(rows, args):
-    lines = [f"### Generation, {common.device_name()}, {common.today()}",
-             "",
-             ", ".join(f"{name} {version}" for name, version in common.versions().items())
-             + f"; `python benchmarks/generate.py {' '.join(sys.argv[1:])}`; shape {args.shape}; {args.dtype} "
-             f"weights; encoder {args.encoder_length} tokens, {args.new_tokens} new tokens, greedy. Cells: generated "
-             "tokens/s (`*`: tokens differ from FAT5's). Ratio: FAT5 over the best transformers T5 with the same "
-             "cache; the `best` rows compare each side's best cache.",
-             "",
-             "| batch | cache | " + " | ".join(args.impl) + " | fat5 / best T5 |",
-             "|" + " --- |" * (len(args.impl) + 3)]
+    lines = common.markdown_head(
+        "Generation",
+        f"shape {args.shape}; {args.dtype} weights; encoder {args.encoder_length} tokens, {args.new_tokens} new "
+        "tokens, greedy. Cells: generated tokens/s (`*`: tokens differ from FAT5's). Ratio: FAT5 over the best "
+        "transformers T5 with the same cache; the `best` rows compare each side's best cache.",
+        ["batch", "cache", *args.impl, "fat5 / best T5"])
     for batch in args.batches:
         for cache in args.caches:
             cells = []

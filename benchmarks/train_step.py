@@ -17,7 +17,6 @@ Before timing, every model's logits are compared with the eager T5's (fp32); a m
 
 import argparse
 import contextlib
-import sys
 
 import torch
 
@@ -84,16 +83,12 @@ def best(rows, length, prefix, key="tokens_per_s", pick=max):
 
 
 def markdown(rows, args):
-    lines = [f"### Training step, {common.device_name()}, {common.today()}",
-             "",
-             ", ".join(f"{name} {version}" for name, version in common.versions().items())
-             + f"; `python benchmarks/train_step.py {' '.join(sys.argv[1:])}`; shape {args.shape}; "
-             f"{args.dtype}{' autocast' if args.dtype != 'float32' else ''}, {args.tokens} encoder tokens a batch, "
-             f"decoder {args.decoder_length}. Cells: encoder tokens/s (peak MiB above resting). Ratios: best FAT5 "
-             "over best transformers T5 (speed), best T5's peak over FAT5's (memory).",
-             "",
-             "| L | batch | " + " | ".join(args.impl) + " | speed fat5 / T5 | memory T5 / fat5 |",
-             "|" + " --- |" * (len(args.impl) + 4)]
+    lines = common.markdown_head(
+        "Training step",
+        f"shape {args.shape}; {args.dtype}{' autocast' if args.dtype != 'float32' else ''}, {args.tokens} encoder "
+        f"tokens a batch, decoder {args.decoder_length}. Cells: encoder tokens/s (peak MiB above resting). Ratios: "
+        "best FAT5 over best transformers T5 (speed), best T5's peak over FAT5's (memory).",
+        ["L", "batch", *args.impl, "speed fat5 / T5", "memory T5 / fat5"])
     for length in args.lengths:
         cells = []
         for name in args.impl:

@@ -33,7 +33,8 @@ def build_parser():
                                                    "FAT5_DIR)")
     parser.add_argument("--model-type", choices=MODEL_TYPES,
                         help="transformers family to write (default: umt5 for a bias table per layer, else t5)")
-    add_output_arguments(parser, verify_help="skip reloading OUT with transformers and comparing its logits with the FAT5 model")
+    add_output_arguments(
+        parser, verify_help="skip reloading OUT with transformers and comparing its logits with the FAT5 model")
     return parser
 
 

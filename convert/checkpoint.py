@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from convert.cli import UserError
+from convert.cli import CommandError
 from fat5.configuration_fat5 import FAT5Config
 from fat5.modeling_fat5 import FAT5ForConditionalGeneration
 
@@ -41,7 +41,7 @@ EMBEDDING_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"
 UNUSED_SOURCE_TENSORS = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",)
 
 
-class ConversionError(UserError):
+class ConversionError(CommandError):
     """A checkpoint that cannot be converted faithfully; the message names the culprit."""
 
 

@@ -1,7 +1,14 @@
-"""What both converter commands share: one-line errors, exit codes, and Ctrl-C at any moment.
+"""The command-line convention of every FAT5 command: both converters, pretraining and the recipes.
 
-Only the standard library is imported here, so the entry points can catch Ctrl-C while torch and transformers
-are still being imported.
+- Bad input or a refused request (`CommandError`, an `OSError` on the user's files, an argparse usage error):
+  one line `error: ...` on stderr, exit status 2 (`EXIT_BAD_INPUT`).
+- Ctrl-C at any moment, imports included: one line `interrupted: <what the output folder holds>` on stderr,
+  exit status 130 (`EXIT_INTERRUPTED`).
+- Anything else is a bug in FAT5 and keeps its traceback.
+
+Only the standard library is imported here, so an entry point catches Ctrl-C while torch and transformers are
+still being imported. (It lives in `convert/` rather than `fat5/` because importing anything under `fat5`
+imports transformers first.)
 """
 
 import argparse
@@ -9,42 +16,36 @@ import signal
 import sys
 import threading
 
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
 
-class UserError(Exception):
-    """Bad input or an impossible request; printed as one `error:` line, exit status 1."""
+
+class CommandError(Exception):
+    """Bad input or an impossible request: printed as one `error:` line, exit status 2."""
 
 
 class CliParser(argparse.ArgumentParser):
     def error(self, message):
         # One line, no usage dump: bad input gets one clear error line.
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def add_output_arguments(parser, verify_help):
-    """The options both converters share: shard size, replacing OUT, verification, non-finite weights."""
-    parser.add_argument("--max-shard-size", default="5GB",
-                        help="largest safetensors shard, e.g. 5GB, 500MB (default: 5GB)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace OUT if it exists and is not empty (atomically: OUT is always either the "
-                             "old or the new folder)")
-    parser.add_argument("--no-verify", action="store_true", help=verify_help)
-    parser.add_argument("--allow-non-finite", action="store_true",
-                        help="convert tensors holding NaN or infinite values instead of refusing them")
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
 
 
 class Progress:
-    """What the run has done to OUT so far, for the message printed when it stops early."""
+    """What the command has done to the user's files so far, printed when it stops early. A command replaces
+    `describe` once it has an output (e.g. with the converter's AtomicOutput.describe)."""
 
     def __init__(self):
-        self.output = None  # the AtomicOutput, once OUT has been checked
-
-    def describe(self):
-        return self.output.describe() if self.output is not None else "nothing was written"
+        self.describe = lambda: "nothing was written"
 
 
-def run(convert, parser, argv=None):
-    """Parse `argv` and call convert(args, progress); turn UserError/OSError into one line and exit status 1,
-    and Ctrl-C (imports included) into one line saying what OUT holds, exit status 130."""
+def error_line(error):
+    """The first line of an exception's message (a library's multi-line message becomes one line)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def run(command, argv=None):
+    """Call `command(argv, progress)`; return its exit status under the convention above."""
     progress = Progress()
     interrupted = []
 
@@ -56,20 +57,18 @@ def run(convert, parser, argv=None):
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, on_interrupt) if in_main_thread else None
     try:
-        args = parser.parse_args(argv)
-        convert(args, progress)
+        command(argv, progress)
     except KeyboardInterrupt:
         print(f"interrupted: {progress.describe()}", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except Exception as error:
         if interrupted:
             print(f"interrupted: {progress.describe()}", file=sys.stderr)
-            return 130
-        if not isinstance(error, (UserError, OSError)):
+            return EXIT_INTERRUPTED
+        if not isinstance(error, (CommandError, OSError)):
             raise
-        text = str(error).strip()
-        print(f"error: {text.splitlines()[0] if text else type(error).__name__}", file=sys.stderr)
-        return 1
+        print(f"error: {error_line(error)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     finally:
         if in_main_thread:
             signal.signal(signal.SIGINT, previous)
@@ -82,6 +81,6 @@ def exit_with(main):
         code = main()
     except KeyboardInterrupt:  # raised between main's own handler and here
         print("interrupted", file=sys.stderr)
-        code = 130
+        code = EXIT_INTERRUPTED
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(code)

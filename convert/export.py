@@ -15,7 +15,7 @@ from transformers import GenerationConfig
 import fat5
 from convert.checkpoint import (SAFETENSORS_DTYPES, first_line, iter_converted_tensors, load_source_model,
                                 read_json_object)
-from convert.cli import UserError
+from convert.cli import CommandError
 from convert.hub import render_model_card
 from fat5.remote_code_fat5 import mark_as_package, write_remote_code
 
@@ -28,7 +28,7 @@ PARITY_TEXTS = ("translate English to German: The house is wonderful.", "summari
                 "owning a dog is good for you", "cola sentence: The course is jumping well.")
 
 
-class ExportError(UserError):
+class ExportError(CommandError):
     """The output folder cannot be written or fails its checks; the message says why."""
 
 

@@ -11,7 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
-from convert.cli import CliParser, UserError, add_output_arguments, exit_with, run
+from convert.cli import CliParser, CommandError, exit_with, run
+from convert.safety import add_output_arguments
 
 MODEL_TYPES = ("t5", "mt5", "umt5")
 ARCHITECTURES = {"t5": "T5ForConditionalGeneration", "mt5": "MT5ForConditionalGeneration",
@@ -46,12 +47,12 @@ def t5_config(fat5_config, model_type, tied):
     from convert.checkpoint import scales_decoder_output
 
     if fat5_config.get("position_encoding_type", "t5") != "t5":
-        raise UserError(f"position_encoding_type {fat5_config['position_encoding_type']!r} has no transformers "
+        raise CommandError(f"position_encoding_type {fat5_config['position_encoding_type']!r} has no transformers "
                         "T5 counterpart: only FAT5 models with T5's relative bias (\"t5\") convert back")
     per_layer = bool(fat5_config.get("relative_bias_per_layer"))
     model_type = model_type or ("umt5" if per_layer else "t5")
     if per_layer != (model_type == "umt5"):
-        raise UserError(f"--model-type {model_type} does not match the model: "
+        raise CommandError(f"--model-type {model_type} does not match the model: "
                         f"{'a' if per_layer else 'no'} bias table per layer means umt5" + ("" if per_layer else
                                                                                           " is impossible"))
     config = {name: fat5_config[name] for name in T5_FIELDS if fat5_config.get(name) is not None}
@@ -61,7 +62,7 @@ def t5_config(fat5_config, model_type, tied):
     if model_type == "t5":
         config["scale_decoder_outputs"] = scale
     if scales_decoder_output(config) != scale:
-        raise UserError(f"transformers {transformers.__version__}'s {model_type} cannot express this model: it "
+        raise CommandError(f"transformers {transformers.__version__}'s {model_type} cannot express this model: it "
                         f"{'does not scale' if scale else 'scales'} the decoder output "
                         f"{'but ties' if tied else 'and does not tie'} the LM head (try --model-type t5 or "
                         "transformers 4.x)")
@@ -77,10 +78,10 @@ def plan_back_conversion(folder, model_type):
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():
-        raise UserError(f"{folder} has no config.json")
+        raise CommandError(f"{folder} has no config.json")
     fat5_config = read_json_object(folder / "config.json")
     if fat5_config.get("model_type") != "fat5":
-        raise UserError(f"{folder} is not a FAT5 checkpoint (config.json model_type "
+        raise CommandError(f"{folder} is not a FAT5 checkpoint (config.json model_type "
                         f"{fat5_config.get('model_type')!r})")
     source = TensorSource(folder)
     names = set(source.names())
@@ -95,14 +96,14 @@ def plan_back_conversion(folder, model_type):
               if not name.endswith("EncDecAttention.relative_attention_bias.weight")}
     missing = sorted(set(shapes) - names)
     if missing:
-        raise UserError(f"FAT5 checkpoint lacks {len(missing)} tensor(s) {config['model_type']} needs, "
+        raise CommandError(f"FAT5 checkpoint lacks {len(missing)} tensor(s) {config['model_type']} needs, "
                         f"e.g. {missing[0]}")
     unmapped = sorted(names - set(shapes))
     if unmapped:
-        raise UserError(f"FAT5 tensor {unmapped[0]} has no {config['model_type']} counterpart")
+        raise CommandError(f"FAT5 tensor {unmapped[0]} has no {config['model_type']} counterpart")
     for name, shape in shapes.items():
         if source.shape(name) != shape:
-            raise UserError(f"tensor {name} has shape {source.shape(name)}, the config implies {shape}")
+            raise CommandError(f"tensor {name} has shape {source.shape(name)}, the config implies {shape}")
     return ConversionPlan(source=source, config=config, source_config=fat5_config,
                           mapping={name: name for name in shapes}, shapes=shapes)
 
@@ -149,25 +150,26 @@ def convert(args, progress):
 
     src, out = Path(args.src), Path(args.out)
     if not src.is_dir():
-        raise UserError(f"FAT5_DIR {src} is not a directory")
+        raise CommandError(f"FAT5_DIR {src} is not a directory")
     max_bytes = parse_size(args.max_shard_size)
-    progress.output = AtomicOutput(src, out, overwrite=args.overwrite)
+    output = AtomicOutput(src, out, overwrite=args.overwrite)
+    progress.describe = output.describe
     plan = plan_back_conversion(src, args.model_type)
     validate_side_files(src)
     print(f"Converting {src} (FAT5, {len(plan.mapping)} tensors) -> {out} ({plan.config['model_type']})")
-    with progress.output as staging:
+    with output as staging:
         write_safetensors_streaming(plan, staging, None, max_bytes, args.allow_non_finite)
         (staging / "config.json").write_text(json.dumps(plan.config, indent=2, sort_keys=True) + "\n")
         copy_side_files(src, staging, None)
         if not args.no_verify:
             difference, sample = verify_back_parity(src, staging)
             print(f"Parity: max |logits difference| = {difference:.3g} ({sample})")
-        progress.output.commit()
+        output.commit()
     print(f"Wrote {out}: {progress.describe()}")
 
 
 def main(argv=None):
-    return run(convert, build_parser(), argv)
+    return run(lambda argv, progress: convert(build_parser().parse_args(argv), progress), argv)
 
 
 if __name__ == "__main__":

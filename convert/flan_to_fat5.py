@@ -14,7 +14,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from convert.cli import CliParser, UserError, add_output_arguments, exit_with, run
+from convert.cli import CliParser, CommandError, exit_with, run
+from convert.safety import add_output_arguments
 
 # Heavy modules (torch, transformers) are imported inside `convert`, where Ctrl-C is handled.
 DTYPES = ("bfloat16", "float16", "float32")
@@ -56,10 +57,10 @@ def resolve_source(src, revision, token):
     path = Path(src)
     if path.exists():
         if not path.is_dir():
-            raise UserError(f"SRC {src} is not a directory")
+            raise CommandError(f"SRC {src} is not a directory")
         return path, None
     if path.is_absolute() or src.startswith(".") or src.count("/") > 1:
-        raise UserError(f"SRC {src} does not exist")
+        raise CommandError(f"SRC {src} does not exist")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
@@ -69,7 +70,7 @@ def resolve_source(src, revision, token):
             folder = snapshot_download(src, revision=revision, token=token, allow_patterns=SOURCE_PATTERNS_BIN)
     except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, OSError, ValueError) as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"SRC {src} is neither a local folder nor a downloadable Hub model: {message}") \
+        raise CommandError(f"SRC {src} is neither a local folder nor a downloadable Hub model: {message}") \
             from error
     return Path(folder), src
 
@@ -95,7 +96,7 @@ def run_demo_pipeline(out):
 def convert(args, progress, argv=None):
     demo = args.src is None and args.out is None
     if args.src is not None and args.out is None:
-        raise UserError("OUT is required when SRC is given")
+        raise CommandError("OUT is required when SRC is given")
     import torch
 
     from convert.checkpoint import plan_conversion
@@ -110,13 +111,14 @@ def convert(args, progress, argv=None):
         # Fail on missing credentials or network before spending time converting.
         check_push_access(args.push_to_hub, args.token)
     source_folder, hub_id = resolve_source(src, args.revision, args.token)
-    progress.output = AtomicOutput(source_folder, out, overwrite=args.overwrite or demo)
+    output = AtomicOutput(source_folder, out, overwrite=args.overwrite or demo)
+    progress.describe = output.describe
     plan = plan_conversion(source_folder)
     print(f"Converting {src} ({plan.source_config['model_type']}, {len(plan.mapping)} tensors) -> {out}")
     command = "python -m convert.flan_to_fat5" + ("" if demo else " " + shlex.join(sys.argv[1:] if argv is None
                                                                                       else argv))
     difference, sample = export(
-        plan, source_folder, progress.output, dtype=getattr(torch, args.dtype) if args.dtype else None,
+        plan, source_folder, output, dtype=getattr(torch, args.dtype) if args.dtype else None,
         attention_backend=args.attn_implementation, max_shard_size=args.max_shard_size, verify=not args.no_verify,
         allow_non_finite=args.allow_non_finite,
         base_model=base_model_id(args.base_model, hub_id, plan.source_config),
@@ -134,7 +136,7 @@ def convert(args, progress, argv=None):
 
 
 def main(argv=None):
-    return run(lambda args, progress: convert(args, progress, argv), build_parser(), argv)
+    return run(lambda argv, progress: convert(build_parser().parse_args(argv), progress, argv), argv)
 
 
 if __name__ == "__main__":

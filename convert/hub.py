@@ -13,7 +13,7 @@ import huggingface_hub
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 
-from convert.cli import UserError
+from convert.cli import CommandError
 from fat5.remote_code_fat5 import PIPELINE_TASK, custom_pipelines_entry  # noqa: F401  (re-exported)
 
 MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "fat5_model_card.md"
@@ -27,7 +27,7 @@ _CLIENT_ERRORS = tuple(
 )
 
 
-class PushError(UserError):
+class PushError(CommandError):
     """An upload to the Hub failed; the message is one line saying why."""
 
 

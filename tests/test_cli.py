@@ -116,7 +116,7 @@ def test_bad_input_is_one_line_and_nonzero(flan, tmp_path, args, message):
 def test_hub_id_source_offline_is_a_clear_error(tmp_path):
     result = run_cli("google/flan-t5-small", tmp_path / "out",
                      env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "neither a local folder nor a downloadable Hub model" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
@@ -154,7 +154,7 @@ def test_parity_failure_is_loud(flan, tmp_path):
 
     original = convert.export.iter_converted_tensors
     with mock.patch.object(convert.export, "iter_converted_tensors", broken):
-        assert main([str(flan), str(tmp_path / "out")]) == 1
+        assert main([str(flan), str(tmp_path / "out")]) == 2
     assert not (tmp_path / "out").exists()
 
 
@@ -175,7 +175,7 @@ def test_push_uploads_the_written_folder(flan, tmp_path):
 
 def test_push_offline_fails_with_one_line_before_converting(flan, tmp_path, capsys):
     # conftest sets HF_HUB_OFFLINE=1 and nothing is mocked: huggingface_hub refuses, we report it.
-    assert main([str(flan), str(tmp_path / "out"), "--push-to-hub", "me/x", "--token", "hf_test"]) == 1
+    assert main([str(flan), str(tmp_path / "out"), "--push-to-hub", "me/x", "--token", "hf_test"]) == 2
     captured = capsys.readouterr()
     errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "offline mode is enabled" in errors[0]

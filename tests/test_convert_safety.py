@@ -61,7 +61,7 @@ def test_out_overlapping_src_is_refused(tmp_path, where, overwrite, capsys):
     (tmp_path / "link").symlink_to(src)
     out = {"same": src, "inside": src / "out", "containing": tmp_path / "parent",
            "symlink": tmp_path / "link"}[where]
-    assert run_main(capsys, [str(src), str(out), *overwrite]) == 1
+    assert run_main(capsys, [str(src), str(out), *overwrite]) == 2
     assert "overlaps SRC" in one_error_line(capsys)
     assert snapshot(tmp_path / "parent") == before
 
@@ -142,7 +142,7 @@ def rewrite(folder, edit):
 def test_non_finite_tensors_are_named_unless_allowed(tmp_path, capsys):
     src = make_t5_checkpoint("flan-t5", tmp_path / "nan")
     rewrite(src, lambda t: t["decoder.block.1.layer.2.DenseReluDense.wo.weight"].view(-1).__setitem__(5, torch.nan))
-    assert run_main(capsys, [str(src), str(tmp_path / "out"), "--no-verify"]) == 1
+    assert run_main(capsys, [str(src), str(tmp_path / "out"), "--no-verify"]) == 2
     line = one_error_line(capsys)
     assert "decoder.block.1.layer.2.DenseReluDense.wo.weight has NaN or infinite values" in line
     assert not (tmp_path / "out").exists() and staging_leftovers(tmp_path) == []
@@ -152,7 +152,7 @@ def test_non_finite_tensors_are_named_unless_allowed(tmp_path, capsys):
 def test_overflow_of_the_dtype_cast_is_caught(tmp_path, capsys):
     src = make_t5_checkpoint("flan-t5", tmp_path / "big")
     rewrite(src, lambda t: t["shared.weight"].view(-1).__setitem__(0, 1e6))
-    assert run_main(capsys, [str(src), str(tmp_path / "out"), "--no-verify", "--dtype", "float16"]) == 1
+    assert run_main(capsys, [str(src), str(tmp_path / "out"), "--no-verify", "--dtype", "float16"]) == 2
     assert "shared.weight has NaN or infinite values after the cast to float16" in one_error_line(capsys)
 
 
@@ -202,7 +202,7 @@ def pickled(folder, state):
 def test_bad_inputs_fail_in_one_line_before_converting(tmp_path, capsys, breakage, message):
     src = make_t5_checkpoint("flan-t5", tmp_path / "src")
     breakage(src)
-    assert run_main(capsys, [str(src), str(tmp_path / "out")]) == 1
+    assert run_main(capsys, [str(src), str(tmp_path / "out")]) == 2
     captured = capsys.readouterr()
     assert message in captured.err and len(messages(captured.err)) == 1, captured.err
     assert "Parity" not in captured.out

@@ -117,9 +117,9 @@ def test_way_back_refuses_other_position_encodings_and_overlaps(tmp_path, capsys
     config = FAT5Config(**COMMON, position_encoding_type="rope")
     FAT5ForConditionalGeneration(config).save_pretrained(tmp_path / "rope")
     capsys.readouterr()
-    assert back([str(tmp_path / "rope"), str(tmp_path / "out")]) == 1
+    assert back([str(tmp_path / "rope"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "position_encoding_type 'rope' has no transformers T5 counterpart" in err[0]
-    assert back([str(tmp_path / "rope"), str(tmp_path / "rope" / "inside"), "--overwrite"]) == 1
+    assert back([str(tmp_path / "rope"), str(tmp_path / "rope" / "inside"), "--overwrite"]) == 2
     assert "overlaps SRC" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

@@ -16,7 +16,7 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineMod
 from convert.cli import CommandError
 from fat5.remote_code_fat5 import PIPELINE_TASK, custom_pipelines_entry  # noqa: F401  (re-exported)
 
-MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent.parent / "model_cards" / "fat5_model_card.md"
+MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent / "model_card_template.md"
 
 # Base errors of the HTTP clients huggingface_hub has used: httpx2 (2.x, connection errors are
 # httpx2.ConnectError), httpx (1.x), requests (0.x). Only the installed ones are caught.

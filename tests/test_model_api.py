@@ -65,8 +65,8 @@ def test_output_attentions_returns_the_eager_attention_weights():
     hidden = attention.layer_norm(model.shared(batch["input_ids"]))
     value = attention.SelfAttention._project(attention.SelfAttention.v, hidden)
     mixed = (output.encoder_attentions[0] @ value).transpose(1, 2).reshape(3, 29, 32)
-    expected = attention.SelfAttention(hidden, key_padding_mask=batch["attention_mask"].bool(),
-                                       position=model.encoder._position_inputs(29, 29, 0, "cpu"))
+    expected, _ = attention.SelfAttention(hidden, key_padding_mask=batch["attention_mask"].bool(),
+                                          position=model.encoder._position_inputs(29, 29, 0, "cpu"))
     tolerance = 1e-5 * expected.abs().max().item()
     assert torch.allclose(attention.SelfAttention.o(mixed), expected, rtol=1e-4, atol=tolerance)
 

@@ -2,7 +2,8 @@
 
 Parameter names are transformers' T5 names (`shared`, `q,k,v,o`, `wi`/`wi_0`/`wi_1`/`wo`, `layer_norm`,
 `relative_attention_bias`), so T5 checkpoints, PEFT `target_modules=["q", "v"]` and habits carry over. Attention
-goes through one seam (`attention_fat5`): layers hand q, k, v and the small position parameters to a backend.
+goes through one seam (`attention_fat5`): a layer hands q, k, v and the stack's `PositionInputs` (small position
+parameters, built once per stack forward) to the backend function the seam picks, and gets (output, weights) back.
 """
 
 import contextlib

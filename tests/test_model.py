@@ -7,6 +7,7 @@ from transformers import AutoModel, AutoModelForSeq2SeqLM, AutoModelForTokenClas
 
 import fat5  # noqa: F401  registers the Auto classes
 from fat5.configuration_fat5 import FAT5Config
+from fat5.loss_fat5 import seq2seq_lm_loss
 from fat5.modeling_fat5 import (
     FAT5EncoderModel,
     FAT5ForConditionalGeneration,
@@ -15,7 +16,6 @@ from fat5.modeling_fat5 import (
     FAT5ForTokenClassification,
     FAT5Model,
 )
-from fat5.loss_fat5 import seq2seq_lm_loss
 from t5_checkpoints import padded_batch
 
 POSITION_TYPES = ["t5", "rope", "alibi", "fire", "none"]

@@ -76,6 +76,7 @@ def test_kernels_depend_only_on_torch_triton_and_references():
         internal, external = imported_modules(name)
         assert internal <= KERNEL_DEPENDENCIES, (name, internal)
         assert external <= KERNEL_THIRD_PARTY | STANDARD_LIBRARY, (name, external)
+        assert "triton" in external, f"{name} is not a Triton kernel: it belongs outside kernels/"
     for name in KERNEL_DEPENDENCIES:
         internal, external = imported_modules(name)
         assert internal == set() and external <= KERNEL_THIRD_PARTY | STANDARD_LIBRARY, (name, internal, external)

@@ -8,6 +8,7 @@ parameters, built once per stack forward) to the backend function the seam picks
 
 import contextlib
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,11 @@ from .configuration_fat5 import FAT5Config
 from .loss_fat5 import linear_cross_entropy, seq2seq_lm_loss
 from .reference_fat5 import relative_positions, t5_rms_norm
 from .remote_code_fat5 import mark_as_package, save_as_package
+
+if TYPE_CHECKING:
+    # Never run: only the seam imports the attention kernel. Loading a checkpoint *folder*, transformers 4.x copies
+    # only the files this entry module imports relatively (not what those import), so it must read the kernel here.
+    from .kernels.flash_attention_t5 import flash_attention_t5  # noqa: F401
 
 try:
     from transformers import initialization as init  # transformers 5: skips tensors loaded from a checkpoint

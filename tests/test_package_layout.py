@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import fat5
+from fat5.remote_code_fat5 import ENTRY_MODULES, RELATIVE_IMPORT, flatten_imports, remote_code_files
 
 PACKAGE_DIR = Path(fat5.__file__).resolve().parent
 # Modules the kernels may import from the package: plain torch, nothing of the model above them.
@@ -24,12 +25,24 @@ def module_name(path):
 MODULES = {module_name(path): path for path in sorted(PACKAGE_DIR.rglob("*.py"))}
 
 
+def _runtime_nodes(tree):
+    """Every node of `tree` except the bodies of `if TYPE_CHECKING:` (never run)."""
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        yield node
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            pending.extend(node.orelse)
+            continue
+        pending.extend(ast.iter_child_nodes(node))
+
+
 def imported_modules(name):
-    """(fat5 modules, top-level third-party names) imported anywhere in module `name`."""
+    """(fat5 modules, top-level third-party names) imported anywhere in module `name` where it can run."""
     path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     internal, external = set(), set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -86,3 +99,15 @@ def test_only_the_attention_seam_imports_the_attention_kernel():
     importers = {name for name in MODULES if "fat5.kernels.flash_attention_t5" in imported_modules(name)[0]}
     assert importers == {"fat5.attention_fat5"}
 
+
+
+def test_entry_modules_name_every_exported_module_directly():
+    """transformers 4.x, loading a checkpoint folder, copies only the files an entry module imports relatively
+    (not what those files import) and then fails on any missing one: the entry modules must name them all."""
+    files = remote_code_files()
+    direct = set()
+    for module in ENTRY_MODULES:
+        direct.add(f"{module}.py")
+        source = flatten_imports(files[f"{module}.py"].read_text())
+        direct.update(f"{name}.py" for name in RELATIVE_IMPORT.findall(source))
+    assert set(files) <= direct, set(files) - direct

@@ -369,11 +369,10 @@ def _dq_tiles(dq, far_sum, q, do, lse, delta, k_base, v_base, dlut_base, lo, hi,
               k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES, KMASK, stride_mask_b,
               MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr, MASK_CAUSAL: tl.constexpr,
               HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, DIAGONALS: tl.constexpr):
+              BLOCK_N: tl.constexpr):
     """dQ over key tiles [lo, hi); far tiles also return the sum of their dS per row (one bias entry each)."""
     far_bias = _far_bias(h, LUT, stride_lut_h, MAX_DIST, BIAS_TYPE, REGION)
     offs_m = tl.arange(0, BLOCK_M)
-    diagonals = tl.arange(0, DIAGONALS)
     start_q = tl.min(rows, axis=0) + q_offset
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -391,16 +390,21 @@ def _dq_tiles(dq, far_sum, q, do, lse, delta, k_base, v_base, dlut_base, lo, hi,
         dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PRECISION)
         if BIAS_TYPE == 1:
             if REGION == NEAR:
-                # Skew the tile so that column t holds diagonal t (j - i = t - BLOCK_M + 1, one relative
-                # position), sum each diagonal and add one value per diagonal, not one per element.
-                source = diagonals[None, :] + offs_m[:, None] - (BLOCK_M - 1)
-                on_tile = (source >= 0) & (source < BLOCK_N)
-                skewed = tl.gather(ds, tl.where(on_tile, source, 0), axis=1)
-                per_diagonal = tl.sum(tl.where(on_tile, skewed, 0.0), axis=0)
-                relative = start_n - start_q + diagonals - (BLOCK_M - 1)
+                # One value per diagonal (one relative position), not one per element: skew the tile
+                # cyclically along its rows, skewed[t, n] = dS[(n - t) mod BLOCK_M, n], so that row t holds
+                # diagonal n - i = t in its columns n >= t and diagonal t - BLOCK_M in the others. The skewed
+                # tile is no larger than dS (an acyclic skew is BLOCK_M x (BLOCK_M + BLOCK_N) and spills).
+                tl.static_assert(BLOCK_N <= BLOCK_M, "the cyclic skew needs key tiles no wider than query tiles")
+                source = (offs_n[None, :] - offs_m[:, None]) & (BLOCK_M - 1)
+                skewed = tl.gather(ds, source, axis=0)
+                right_of_row = offs_n[None, :] >= offs_m[:, None]
+                upper = tl.sum(tl.where(right_of_row, skewed, 0.0), axis=1)
+                lower = tl.sum(tl.where(right_of_row, 0.0, skewed), axis=1)
+                relative = start_n - start_q + offs_m
                 index = tl.minimum(tl.maximum(relative, -MAX_DIST), MAX_DIST) + MAX_DIST
-                tl.atomic_add(dlut_base + index, per_diagonal, mask=diagonals < BLOCK_M + BLOCK_N - 1,
-                              sem="relaxed")
+                tl.atomic_add(dlut_base + index, upper, mask=offs_m < BLOCK_N, sem="relaxed")
+                index = tl.minimum(tl.maximum(relative - BLOCK_M, -MAX_DIST), MAX_DIST) + MAX_DIST
+                tl.atomic_add(dlut_base + index, lower, mask=offs_m > 0, sem="relaxed")
             else:
                 far_sum += tl.sum(ds, axis=1)
     return dq, far_sum
@@ -415,8 +419,7 @@ def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, SLOPES, KMASK, C
                         num_heads, seqlen_q, seqlen_k, q_offset, qk_scale, scale,
                         MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
                         HAS_KMASK: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        DIAGONALS: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
     b = pid_bh // num_heads
@@ -447,17 +450,17 @@ def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, SLOPES, KMASK, C
     dq, far_left = _dq_tiles(dq, far_left, q, do, lse, delta, k_base, v_base, dlut_base, 0, near_start, rows, offs_n,
                              offs_d, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES,
                              KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK, DOT_PRECISION,
-                             BLOCK_M, BLOCK_N, DIAGONALS)
+                             BLOCK_M, BLOCK_N)
     if BIAS_TYPE != 0 or CAUSAL:
         dq, _ = _dq_tiles(dq, far_left, q, do, lse, delta, k_base, v_base, dlut_base, near_start, near_end, rows,
                           offs_n, offs_d, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h,
                           SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, NEAR, CAUSAL, HAS_KMASK, DOT_PRECISION,
-                          BLOCK_M, BLOCK_N, DIAGONALS)
+                          BLOCK_M, BLOCK_N)
     if BIAS_TYPE != 0 and not CAUSAL:
         dq, far_right = _dq_tiles(dq, far_right, q, do, lse, delta, k_base, v_base, dlut_base, near_end, end_n, rows,
                                   offs_n, offs_d, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT,
                                   stride_lut_h, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_RIGHT, False,
-                                  HAS_KMASK, DOT_PRECISION, BLOCK_M, BLOCK_N, DIAGONALS)
+                                  HAS_KMASK, DOT_PRECISION, BLOCK_M, BLOCK_N)
     tl.store(DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqm + rows[:, None] * stride_dqm
              + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
     if BIAS_TYPE == 1:
@@ -606,8 +609,7 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     _backward_dq_kernel[(batch * heads, triton.cdiv(seqlen_q, block_m))](
         query, key, value, grad_out, lse, delta, dq, dlut, lut, slopes, mask, cu_q, cu_k,
         *strides, *_layout(dq, varlen), *scalars,
-        **common, BLOCK_M=block_m, BLOCK_N=block_n, DIAGONALS=triton.next_power_of_2(block_m + block_n - 1),
-        num_warps=warps, num_stages=stages)
+        **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     return dq, dk, dv, dlut
 
 

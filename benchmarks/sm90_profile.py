@@ -9,11 +9,12 @@ serialised wgmma, instructions and exps per tile), so a change can be judged bef
 
     python benchmarks/sm90_profile.py                      # every variant
     python benchmarks/sm90_profile.py t5_enc_d64 nobias_d64  # some variants
-    BLOCKS="fwd:128,64,8,3;bwd:64,64,4,2" python ...         # try other (BLOCK_M, BLOCK_N, warps, stages)
+    BLOCKS="fwd:128,64,8,3;dq:64,64,4,2" python ...          # try other (BLOCK_M, BLOCK_N, warps, stages)
+                                                           # per kernel: fwd, dkdv, dq (bwd: dkdv and dq)
 
 Use triton 3.6.0 (the version paired with torch 2.11 on the H100) in its own venv: `pip install triton==3.6.0 torch`.
 The kernel module must keep the names this tool reads: _forward_kernel, _backward_dkdv_kernel,
-_backward_dq_kernel, _blocks(head_dim, backward, device); adapt VARIANTS/arguments below when they change.
+_backward_dq_kernel, _blocks(head_dim, kernel, device); adapt VARIANTS/arguments below when they change.
 
 Output: one JSON line per kernel, then a table; loop bodies largest first. The kernels run one loop per kind of
 tile: forward and dQ over key tiles far-left, near band, far-right (T5); dK/dV over query tiles far-right, near
@@ -53,14 +54,15 @@ class _Cuda:
     type = "cuda"
 
 
-def blocks(head_dim, backward):
+def blocks(head_dim, kernel):
+    """The kernel's tiles ("forward", "dkdv" or "dq"), or the BLOCKS override of them."""
     override = os.environ.get("BLOCKS")
     if override:
         parts = dict(part.split(":") for part in override.split(";"))
-        key = "bwd" if backward else "fwd"
-        if key in parts:
-            return tuple(int(x) for x in parts[key].split(","))
-    return K._blocks(head_dim, backward, _Cuda())
+        for key in {"forward": ("fwd",), "dkdv": ("dkdv", "bwd"), "dq": ("dq", "bwd")}[kernel]:
+            if key in parts:
+                return tuple(int(x) for x in parts[key].split(","))
+    return K._blocks(head_dim, kernel, _Cuda())
 
 
 def loops(sass):
@@ -115,7 +117,7 @@ def variant(tag, dtype="bf16", head_dim=64, bias=1, causal=False, kmask=False, v
     common = dict(MAX_DIST=128 if bias == 1 else 1, BIAS_TYPE=bias, CAUSAL=causal, HAS_KMASK=kmask,
                   IS_VARLEN=varlen, HEAD_DIM=head_dim, DOT_PRECISION="tf32" if dtype != "fp32" else "ieee")
     results = []
-    bm, bn, warps, stages = blocks(head_dim, False)
+    bm, bn, warps, stages = blocks(head_dim, "forward")
     fn = K._forward_kernel
     signature = {n: "i32" for n in fn.arg_names}
     signature.update(Q=pointer, K=pointer, V=pointer, Out=pointer, LSE="*fp32", LUT="*fp32", SLOPES="*fp32",
@@ -123,18 +125,15 @@ def variant(tag, dtype="bf16", head_dim=64, bias=1, causal=False, kmask=False, v
     divisible = [n for n in fn.arg_names if (n[0].isupper() and n not in common) or
                  (n.startswith("stride") and n != "stride_lut_h")] + ["seqlen_q", "seqlen_k"]
     results.append(build(tag, fn, signature, dict(common, BLOCK_M=bm, BLOCK_N=bn), divisible, warps, stages))
-    bm, bn, warps, stages = blocks(head_dim, True)
-    for fn, extra in ((K._backward_dkdv_kernel, {}),
-                      (K._backward_dq_kernel, dict(DIAGONALS=triton.next_power_of_2(bm + bn - 1)))):
-        extra = {k: v for k, v in extra.items() if k in fn.arg_names}
+    for fn, kernel in ((K._backward_dkdv_kernel, "dkdv"), (K._backward_dq_kernel, "dq")):
+        bm, bn, warps, stages = blocks(head_dim, kernel)
         signature = {n: "i32" for n in fn.arg_names}
         signature.update({n: pointer for n in ("Q", "K", "V", "DO", "DK", "DV", "DQ")})
         signature.update(LSE="*fp32", DELTA="*fp32", DLUT="*fp32", LUT="*fp32", SLOPES="*fp32", KMASK="*fp32",
                          CU_Q="*i32", CU_K="*i32", qk_scale="fp32", scale="fp32")
-        divisible = [n for n in fn.arg_names if (n[0].isupper() and n not in common and n not in extra) or
+        divisible = [n for n in fn.arg_names if (n[0].isupper() and n not in common) or
                      (n.startswith("stride") and n != "stride_lut_h")] + ["seqlen_q", "seqlen_k"]
-        results.append(build(tag, fn, signature, dict(common, BLOCK_M=bm, BLOCK_N=bn, **extra), divisible,
-                             warps, stages))
+        results.append(build(tag, fn, signature, dict(common, BLOCK_M=bm, BLOCK_N=bn), divisible, warps, stages))
     return results
 
 
@@ -180,7 +179,7 @@ if __name__ == "__main__":
         if "error" in r:
             print(f"{r['tag']:20} {r['kernel']:22} COMPILE ERROR {r['error'][:80]}")
             continue
-        bodies = ", ".join(f"{l['instructions']}/{l['mufu']}" for l in r["loops"])
+        bodies = ", ".join(f"{loop['instructions']}/{loop['mufu']}" for loop in r["loops"])
         far = far_loop(r["tag"], r)
         reference = found.get((ceiling(r["tag"]), r["kernel"]))
         reference = far_loop(ceiling(r["tag"]), reference) if reference else None

@@ -143,6 +143,28 @@ def test_long_sequence_uses_far_tiles_and_their_gradient():
     check_against_reference(q, k, v, alibi_slopes=alibi_slopes(2).to(DEVICE))
 
 
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_dq_query_tiles_taller_than_key_tiles(monkeypatch, bidirectional):
+    """dQ runs 128 x 32 tiles at head dim 128 on the GPU: its per-diagonal bias gradient then sums several groups
+    of rows per tile. The same ragged shapes with 32 x 16 dQ tiles (far and near key tiles, padding, and a cache
+    offset when causal)."""
+    default_blocks = kernel_module._blocks
+    kernels = []
+
+    def blocks(head_dim, kernel, device):
+        kernels.append(kernel)
+        return (32, 16, 1, 1) if kernel == "dq" else default_blocks(head_dim, kernel, device)
+
+    monkeypatch.setattr(kernel_module, "_blocks", blocks)
+    past = 0 if bidirectional else 9
+    q, k, v, table = inputs(2, 2, 61, past + 61, 32, seed=4)
+    mask = key_mask(2, past + 61)
+    mask[1, -6:] = False
+    check_against_reference(q, k, v, table, bidirectional=bidirectional, causal=not bidirectional, q_offset=past,
+                            key_padding_mask=mask)
+    assert "dq" in kernels
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_alibi(causal):
     q, k, v, _ = inputs(2, 4, 29, 29, 32, seed=4)

@@ -46,15 +46,19 @@ KEY_MASK_PAD = 128
 POISON_OUTPUTS = False
 
 
-def _blocks(head_dim, backward, device):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Small tiles in the CPU interpreter, Hopper-sized on GPU
-    (chosen so that the sm_90a build has no spills and no serialised wgmma in the forward:
-    benchmarks/sm90_profile.py)."""
+def _blocks(head_dim, kernel, device):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of `kernel` ("forward", "dkdv" or "dq"). Small tiles in the CPU
+    interpreter, Hopper-sized on GPU, chosen so that the sm_90a build of every kernel has no spills and no
+    serialised wgmma (benchmarks/sm90_profile.py)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return 16, 16, 1, 1
-    if backward:
+    if kernel == "forward":
+        return (128, 64, 8, 3) if head_dim <= 64 else (128, 32, 8, 2)
+    if kernel == "dkdv":
         return (64, 64, 4, 2) if head_dim <= 64 else (64, 32, 8, 2)
-    return (128, 64, 8, 3) if head_dim <= 64 else (128, 32, 8, 2)
+    # dQ at d = 128: two warpgroups of 64 query rows share each key tile. 64 rows on 8 warps computed every exp2
+    # twice and had ptxas serialise the wgmma; 64 rows on 4 warps do neither but read each key tile twice as often.
+    return (64, 64, 4, 2) if head_dim <= 64 else (128, 32, 8, 2)
 
 
 # Key tiles (forward, dQ) or query tiles (dK/dV) by where they lie relative to the +-max_distance band. Each kind
@@ -368,11 +372,10 @@ def _dq_tiles(dq, far_sum, q, do, lse, delta, k_base, v_base, dlut_base, lo, hi,
               k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES, KMASK, stride_mask_b,
               MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr, MASK_CAUSAL: tl.constexpr,
               HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, DIAGONALS: tl.constexpr):
+              BLOCK_N: tl.constexpr):
     """dQ over key tiles [lo, hi); far tiles also return the sum of their dS per row (one bias entry each)."""
     far_bias = _far_bias(h, LUT, stride_lut_h, MAX_DIST, BIAS_TYPE, REGION)
     offs_m = tl.arange(0, BLOCK_M)
-    diagonals = tl.arange(0, DIAGONALS)
     start_q = tl.min(rows, axis=0) + q_offset
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -390,16 +393,23 @@ def _dq_tiles(dq, far_sum, q, do, lse, delta, k_base, v_base, dlut_base, lo, hi,
         dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PRECISION)
         if BIAS_TYPE == 1:
             if REGION == NEAR:
-                # Skew the tile so that column t holds diagonal t (j - i = t - BLOCK_M + 1, one relative
-                # position), sum each diagonal and add one value per diagonal, not one per element.
-                source = diagonals[None, :] + offs_m[:, None] - (BLOCK_M - 1)
-                on_tile = (source >= 0) & (source < BLOCK_N)
-                skewed = tl.gather(ds, tl.where(on_tile, source, 0), axis=1)
-                per_diagonal = tl.sum(tl.where(on_tile, skewed, 0.0), axis=0)
-                relative = start_n - start_q + diagonals - (BLOCK_M - 1)
+                # One value per diagonal (one relative position), not one per element. Skew each row cyclically,
+                # skewed[i, t] = dS[i, (i + t) mod BLOCK_N]: within a group of BLOCK_N rows g * BLOCK_N + r, column t
+                # holds diagonal j - i = t - g * BLOCK_N where r + t < BLOCK_N and t - (g + 1) * BLOCK_N where it
+                # wraps, so two masked sums per group give every diagonal. The skewed tile is no larger than dS
+                # (an acyclic skew, BLOCK_M x (BLOCK_M + BLOCK_N), made the sm_90a build spill).
+                tl.static_assert(BLOCK_M % BLOCK_N == 0, "the diagonal sums need whole groups of BLOCK_N rows")
+                GROUPS: tl.constexpr = BLOCK_M // BLOCK_N
+                skewed = tl.gather(ds, (offs_m[:, None] + offs_n[None, :]) & (BLOCK_N - 1), axis=1)
+                wrapped = (offs_m[:, None] & (BLOCK_N - 1)) + offs_n[None, :] >= BLOCK_N
+                upper = tl.sum(tl.reshape(tl.where(wrapped, 0.0, skewed), [GROUPS, BLOCK_N, BLOCK_N]), axis=1)
+                lower = tl.sum(tl.reshape(tl.where(wrapped, skewed, 0.0), [GROUPS, BLOCK_N, BLOCK_N]), axis=1)
+                relative = start_n - start_q + offs_n[None, :] - tl.arange(0, GROUPS)[:, None] * BLOCK_N
                 index = tl.minimum(tl.maximum(relative, -MAX_DIST), MAX_DIST) + MAX_DIST
-                tl.atomic_add(dlut_base + index, per_diagonal, mask=diagonals < BLOCK_M + BLOCK_N - 1,
-                              sem="relaxed")
+                tl.atomic_add(dlut_base + index, upper, sem="relaxed")
+                index = tl.minimum(tl.maximum(relative - BLOCK_N, -MAX_DIST), MAX_DIST) + MAX_DIST
+                # Column 0 never wraps.
+                tl.atomic_add(dlut_base + index, lower, mask=(offs_n > 0)[None, :], sem="relaxed")
             else:
                 far_sum += tl.sum(ds, axis=1)
     return dq, far_sum
@@ -414,8 +424,7 @@ def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, SLOPES, KMASK, C
                         num_heads, seqlen_q, seqlen_k, q_offset, qk_scale, scale,
                         MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
                         HAS_KMASK: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        DIAGONALS: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
     b = pid_bh // num_heads
@@ -446,17 +455,17 @@ def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, SLOPES, KMASK, C
     dq, far_left = _dq_tiles(dq, far_left, q, do, lse, delta, k_base, v_base, dlut_base, 0, near_start, rows, offs_n,
                              offs_d, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES,
                              KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK, DOT_PRECISION,
-                             BLOCK_M, BLOCK_N, DIAGONALS)
+                             BLOCK_M, BLOCK_N)
     if BIAS_TYPE != 0 or CAUSAL:
         dq, _ = _dq_tiles(dq, far_left, q, do, lse, delta, k_base, v_base, dlut_base, near_start, near_end, rows,
                           offs_n, offs_d, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h,
                           SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, NEAR, CAUSAL, HAS_KMASK, DOT_PRECISION,
-                          BLOCK_M, BLOCK_N, DIAGONALS)
+                          BLOCK_M, BLOCK_N)
     if BIAS_TYPE != 0 and not CAUSAL:
         dq, far_right = _dq_tiles(dq, far_right, q, do, lse, delta, k_base, v_base, dlut_base, near_end, end_n, rows,
                                   offs_n, offs_d, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT,
                                   stride_lut_h, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_RIGHT, False,
-                                  HAS_KMASK, DOT_PRECISION, BLOCK_M, BLOCK_N, DIAGONALS)
+                                  HAS_KMASK, DOT_PRECISION, BLOCK_M, BLOCK_N)
     tl.store(DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqm + rows[:, None] * stride_dqm
              + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
     if BIAS_TYPE == 1:
@@ -550,7 +559,7 @@ def _flash_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     mask = key_mask if key_mask is not None else query.new_empty(1, dtype=torch.float32)
     cu_q = cu_seqlens_q if varlen else query.new_empty(1, dtype=torch.int32)
     cu_k = cu_seqlens_k if varlen else cu_q
-    block_m, block_n, warps, stages = _blocks(query.shape[-1], backward=False, device=query.device)
+    block_m, block_n, warps, stages = _blocks(query.shape[-1], "forward", query.device)
     grid = (batch * heads, triton.cdiv(seqlen_q, block_m))
     _forward_kernel[grid](
         query, key, value, out, lse, lut, slopes, mask, cu_q, cu_k,
@@ -589,7 +598,7 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     cu_k = cu_seqlens_k if varlen else cu_q
     common = dict(MAX_DIST=max_dist, BIAS_TYPE=bias_type, CAUSAL=causal, HAS_KMASK=key_mask is not None,
                   IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], DOT_PRECISION=_dot_precision(query.dtype))
-    block_m, block_n, warps, stages = _blocks(query.shape[-1], backward=True, device=query.device)
+    block_m, block_n, warps, stages = _blocks(query.shape[-1], "dkdv", query.device)
     delta = _new_output(lse.shape, lse)
     _backward_delta_kernel[(batch * heads, triton.cdiv(seqlen_q, block_m))](
         out, grad_out, delta, cu_q, *_layout(out, varlen), *_layout(grad_out, varlen), *_lse_strides(lse, varlen),
@@ -602,11 +611,11 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
         query, key, value, grad_out, lse, delta, dk, dv, lut, slopes, mask, cu_q, cu_k,
         *strides, *_layout(dk, varlen), *_layout(dv, varlen), *scalars,
         **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    block_m, block_n, warps, stages = _blocks(query.shape[-1], "dq", query.device)
     _backward_dq_kernel[(batch * heads, triton.cdiv(seqlen_q, block_m))](
         query, key, value, grad_out, lse, delta, dq, dlut, lut, slopes, mask, cu_q, cu_k,
         *strides, *_layout(dq, varlen), *scalars,
-        **common, BLOCK_M=block_m, BLOCK_N=block_n, DIAGONALS=triton.next_power_of_2(block_m + block_n - 1),
-        num_warps=warps, num_stages=stages)
+        **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     return dq, dk, dv, dlut
 
 

@@ -213,6 +213,8 @@ def carried_fields(source_config, model_type):
     """The fields of `source_config` the other side takes unchanged: every one but DERIVED_FIELDS and those of
     `t5_computes`, which must hold the value T5 computes with."""
     computed = t5_computes(model_type)
+    if source_config.get("pruned_heads"):
+        raise ConversionError(f"pruned_heads {source_config['pruned_heads']!r}: FAT5 has no head pruning")
     for name, value in source_config.items():
         if name in computed and value != computed[name]:
             raise ConversionError(f"{name} {value!r} has no transformers T5 counterpart: a {model_type} computes "

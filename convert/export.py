@@ -8,8 +8,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+import transformers
 from tqdm.auto import tqdm
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PretrainedConfig
 
 from convert.checkpoint import SAFETENSORS_DTYPES, iter_converted_tensors, read_json_object
 from convert.cli import CommandError, error_line
@@ -121,8 +122,10 @@ def copy_side_files(source_folder, folder, source_config):
             copied.append(name)
     if (source_folder / "generation_config.json").is_file():
         generation_config = GenerationConfig.from_pretrained(source_folder)
-    else:
+    elif int(transformers.__version__.split(".")[0]) >= 5:  # its config classes drop the generation fields
         generation_config = GenerationConfig.from_model_config(dict(source_config))
+    else:
+        generation_config = GenerationConfig.from_model_config(PretrainedConfig.from_dict(source_config))
     generation_config.save_pretrained(folder)
     return copied
 

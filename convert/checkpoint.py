@@ -340,8 +340,11 @@ def plan_conversion(folder):
         if lm_head_tied:
             redundant["lm_head.weight"] = "shared.weight"
     config = fat5_config_from_t5(source_config, lm_head_tied)
-    with torch.device("meta"):
-        shapes = model_shapes(FAT5ForConditionalGeneration(config), config.tie_word_embeddings)
+    try:
+        with torch.device("meta"):
+            shapes = model_shapes(FAT5ForConditionalGeneration(config), config.tie_word_embeddings)
+    except ValueError as error:  # e.g. transformers 4 validating the generation fields of config.json
+        raise ConversionError(f"inconsistent source config: {error_line(error)}") from error
     unused = [name for name in UNUSED_SOURCE_TENSORS if name in names]
     mapping = check_tensors(source, shapes, ("source", "FAT5"), redundant, unused)
     return ConversionPlan(source=source, config=config, source_config=source_config, mapping=mapping,

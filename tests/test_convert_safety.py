@@ -14,12 +14,12 @@ import pytest
 import torch
 from huggingface_hub import HfApi
 from safetensors.torch import load_file, save_file
-from t5_checkpoints import make_t5_checkpoint
 
 import convert.export
 import convert.safety
 from convert.checkpoint import iter_converted_tensors, plan_conversion
 from convert.flan_to_fat5 import main
+from t5_checkpoints import make_t5_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 

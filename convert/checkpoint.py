@@ -1,4 +1,5 @@
-"""Read a Hugging Face T5-family checkpoint and map it, tensor by tensor, onto FAT5.
+"""The converters' core, both ways: read a Hugging Face T5-family checkpoint and map it, tensor by tensor, onto
+FAT5 (or a FAT5 checkpoint onto transformers' T5), and carry its config.json fields across.
 
 FAT5 keeps T5's parameter names, so the mapping is mostly the identity; what this module adds is the proof:
 every source tensor is either mapped or a known redundant copy (checked equal), every target tensor is filled

@@ -1,5 +1,6 @@
 """Every config field crosses the conversion both ways, or the converter refuses in one line naming it."""
 
+import inspect
 import json
 
 import pytest
@@ -108,6 +109,14 @@ def test_every_fat5_config_field_goes_back_or_is_refused_by_name(name):
         assert written["model_type"] == "umt5" and name not in written
     else:
         assert as_json(written[name]) == as_json(value), name
+
+
+def test_every_fat5_only_field_is_classified():
+    """A FAT5 field T5 lacks either changes the logits (the way back checks its value) or is a setting T5
+    ignores (carried as an extra key): a new field must be put in one of the two lists."""
+    parameters = set(inspect.signature(FAT5Config.__init__).parameters) - {"self", "kwargs"}
+    fat5_only = parameters - set(T5Config().to_dict()) - set(DERIVED_FIELDS) - {"decoder_start_token_id"}
+    assert fat5_only == set(t5_computes("t5")) | set(FAT5_SETTINGS)
 
 
 def test_fat5_settings_at_their_defaults_stay_out_of_the_t5_config():

@@ -1,4 +1,5 @@
-"""Read a Hugging Face T5-family checkpoint and map it, tensor by tensor, onto FAT5.
+"""The converters' core, both ways: read a Hugging Face T5-family checkpoint and map it, tensor by tensor, onto
+FAT5 (or a FAT5 checkpoint onto transformers' T5), and carry its config.json fields across.
 
 FAT5 keeps T5's parameter names, so the mapping is mostly the identity; what this module adds is the proof:
 every source tensor is either mapped or a known redundant copy (checked equal), every target tensor is filled
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from convert.cli import CommandError
+from convert.cli import CommandError, error_line
 from fat5.configuration_fat5 import FAT5Config
 from fat5.modeling_fat5 import FAT5ForConditionalGeneration
 
@@ -27,18 +28,26 @@ TIE_WORD_EMBEDDINGS_DEFAULT = {"t5": True, "mt5": False, "umt5": True}
 # records the choice as `scale_decoder_outputs`; its mT5 never scales; its umT5 scales whenever
 # `tie_word_embeddings`, which its config class forces to True.
 RESCALE_IN_TRANSFORMERS_5 = {"mt5": False, "umt5": True}
-# T5 config fields FAT5 takes over unchanged.
-COPIED_FIELDS = (
-    "vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_decoder_layers", "num_heads",
-    "relative_attention_num_buckets", "relative_attention_max_distance", "dropout_rate", "layer_norm_epsilon",
-    "initializer_factor", "feed_forward_proj", "pad_token_id", "eos_token_id", "decoder_start_token_id",
-    "classifier_dropout", "use_cache",
-)
+# Both directions copy every field of the source config.json (T5's own, transformers' generic ones such as
+# `prefix`, `task_specific_params` or `id2label`, and any other key) except these, which the converter writes
+# itself: the target's identity and code, the stored dtype, the tying and decoder-output rescale (read from the
+# weights and the writing transformers version), and what T5 and FAT5 compute from other fields or set per stack.
+DERIVED_FIELDS = ("model_type", "architectures", "transformers_version", "auto_map", "custom_pipelines",
+                  "_name_or_path", "dtype", "torch_dtype", "is_encoder_decoder", "tie_word_embeddings",
+                  "scale_decoder_outputs", "dense_act_fn", "is_gated_act", "is_decoder")
+# FAT5 fields a transformers T5 ignores (training, the attention backend, other position encodings' parameters):
+# the way back carries those that differ from FAT5's defaults as extra keys, which transformers keeps.
+FAT5_SETTINGS = ("attention_dropout_rate", "attention_backend", "z_loss", "label_smoothing",
+                 "return_logits_in_training", "lm_loss_implementation", "rope_theta", "fire_mlp_width",
+                 "fire_init_c", "fire_init_threshold")
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+# Copies of shared.weight that transformers' T5 state dicts hold (FAT5's does not).
 EMBEDDING_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 # transformers' T5 never uses this table (cross-attention has no position bias) and ignores it on load.
 UNUSED_SOURCE_TENSORS = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",)
+ARCHITECTURES = {"t5": "T5ForConditionalGeneration", "mt5": "MT5ForConditionalGeneration",
+                 "umt5": "UMT5ForConditionalGeneration"}
 
 
 class ConversionError(CommandError):
@@ -104,7 +113,7 @@ class TensorSource:
                     self._handles[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
             except Exception as error:  # safetensors and torch raise several unrelated types for bad files
                 raise ConversionError(f"cannot read {file.name}: corrupt or truncated weights "
-                                      f"({first_line(error)})") from error
+                                      f"({error_line(error)})") from error
             if isinstance(self._handles[file], dict):
                 entries = self._handles[file].items()
                 odd = next((name for name, value in entries if not isinstance(value, torch.Tensor)), None)
@@ -149,7 +158,7 @@ class TensorSource:
             return tensor.clone() if isinstance(handle, dict) else tensor
         except Exception as error:  # reading past a truncated file raises from the safetensors/torch backends
             raise ConversionError(f"cannot read tensor {name}: corrupt or truncated weights "
-                                  f"({first_line(error)})") from error
+                                  f"({error_line(error)})") from error
 
 
 @dataclass
@@ -157,7 +166,7 @@ class ConversionPlan:
     """Everything decided before any tensor data is read."""
 
     source: TensorSource
-    config: FAT5Config
+    config: object  # FAT5Config (T5 -> FAT5), or the T5 config.json dict (FAT5 -> T5)
     source_config: dict
     mapping: dict  # target name -> source name
     redundant: dict = field(default_factory=dict)  # source copy -> the source tensor it must equal
@@ -165,18 +174,12 @@ class ConversionPlan:
     shapes: dict = field(default_factory=dict)  # target name -> shape
 
 
-def first_line(error):
-    """The first line of an exception's message (libraries raise multi-line ones), or its type's name."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def read_json_object(path):
     """A JSON object from `path`; anything else is a one-line ConversionError."""
     try:
         value = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConversionError(f"cannot read {path}: {first_line(error)}") from error
+        raise ConversionError(f"cannot read {path}: {error_line(error)}") from error
     if not isinstance(value, dict):
         raise ConversionError(f"{path} is not a JSON object")
     return value
@@ -200,36 +203,127 @@ def scales_decoder_output(source_config):
     return RESCALE_IN_TRANSFORMERS_5[model_type]
 
 
+def t5_computes(model_type):
+    """FAT5 fields that change the logits and that no transformers T5 config has: the value `model_type`
+    computes with. A FAT5 model converts back only with these values; a T5 config.json that names one of these
+    keys (transformers ignores it) must agree."""
+    return {"position_encoding_type": "t5", "relative_bias_per_layer": model_type == "umt5", "attention_scale": 1.0}
+
+
+def carried_fields(source_config, model_type):
+    """The fields of `source_config` the other side takes unchanged: every one but DERIVED_FIELDS and those of
+    `t5_computes`, which must hold the value T5 computes with."""
+    computed = t5_computes(model_type)
+    if source_config.get("pruned_heads"):
+        raise ConversionError(f"pruned_heads {source_config['pruned_heads']!r}: FAT5 has no head pruning")
+    for name, value in source_config.items():
+        if name in computed and value != computed[name]:
+            raise ConversionError(f"{name} {value!r} has no transformers T5 counterpart: a {model_type} computes "
+                                  f"with {name}={computed[name]!r}")
+    return {name: value for name, value in source_config.items()
+            if name not in DERIVED_FIELDS and name not in computed}
+
+
 def fat5_config_from_t5(source_config, lm_head_tied):
-    """FAT5Config for a T5 / mT5 / umT5 config dict; `lm_head_tied` comes from the weights themselves, the
-    output rescale from what the transformers version that wrote config.json does."""
+    """FAT5Config for a T5 / mT5 / umT5 config dict, with every field it carries; `lm_head_tied` comes from the
+    weights themselves, the output rescale from what the transformers version that wrote config.json does."""
     model_type = source_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConversionError(f"unsupported model_type {model_type!r}: supported are {', '.join(SUPPORTED_MODEL_TYPES)} "
-                              "(FLAN-T5, T5 v1.1 and ByT5 are model_type t5)")
-    fields = {name: source_config[name] for name in COPIED_FIELDS if source_config.get(name) is not None}
-    scale = scales_decoder_output(source_config)
+        raise ConversionError(f"unsupported model_type {model_type!r}: supported are "
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)} (FLAN-T5, T5 v1.1 and ByT5 are model_type t5)")
     try:
         return FAT5Config(
-            **fields,
+            **carried_fields(source_config, model_type),
+            **t5_computes(model_type),
             tie_word_embeddings=lm_head_tied,
-            scale_decoder_outputs=scale,
-            position_encoding_type="t5",
-            relative_bias_per_layer=model_type == "umt5",
+            scale_decoder_outputs=scales_decoder_output(source_config),
             architectures=["FAT5ForConditionalGeneration"],
         )
     except (ValueError, TypeError) as error:
-        raise ConversionError(f"inconsistent source config: {first_line(error)}") from error
+        raise ConversionError(f"inconsistent source config: {error_line(error)}") from error
 
 
-def plan_conversion(folder):
-    """Read config.json and the tensor index of `folder`, decide the mapping, and check it completely."""
+def t5_config_from_fat5(fat5_config, model_type, tied):
+    """The config.json dict of the transformers checkpoint for a FAT5 config dict: every field carried, the
+    FAT5 settings a T5 ignores kept where they differ from FAT5's defaults, `model_type` (default: umt5 for a
+    bias table per layer, else t5) checked to compute what FAT5 computes."""
+    import transformers
+
+    try:
+        config = FAT5Config.from_dict(fat5_config)
+    except (ValueError, TypeError) as error:
+        raise ConversionError(f"invalid FAT5 config: {error_line(error)}") from error
+    if config.position_encoding_type != "t5":
+        raise ConversionError(f"position_encoding_type {config.position_encoding_type!r} has no transformers T5 "
+                              "counterpart: only FAT5 models with T5's relative bias (\"t5\") convert back")
+    per_layer = config.relative_bias_per_layer
+    model_type = model_type or ("umt5" if per_layer else "t5")
+    if per_layer != (model_type == "umt5"):
+        raise ConversionError(f"--model-type {model_type} does not match the model: "
+                              f"{'a' if per_layer else 'no'} bias table per layer means umt5"
+                              + ("" if per_layer else " is impossible"))
+    fields = carried_fields(fat5_config, model_type)
+    defaults = FAT5Config(dropout_rate=config.dropout_rate)  # attention dropout defaults to dropout_rate
+    for name in FAT5_SETTINGS:
+        if name in fields and fields[name] == getattr(defaults, name):
+            del fields[name]
+    scale = config.scale_decoder_outputs
+    fields.update(model_type=model_type, architectures=[ARCHITECTURES[model_type]], tie_word_embeddings=tied,
+                  transformers_version=transformers.__version__, is_encoder_decoder=True)
+    if model_type == "t5":
+        fields["scale_decoder_outputs"] = scale
+    if scales_decoder_output(fields) != scale:
+        raise ConversionError(f"transformers {transformers.__version__}'s {model_type} cannot express this model: "
+                              f"it {'does not scale' if scale else 'scales'} the decoder output "
+                              f"{'but ties' if tied else 'and does not tie'} the LM head (try --model-type t5 or "
+                              "transformers 4.x)")
+    return fields
+
+
+def model_shapes(model, tied):
+    """Target tensor names and shapes of a model built on the meta device, without the copies of the
+    embedding a T5 state dict repeats, a tied LM head, and tables T5 never uses."""
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()
+            if name not in EMBEDDING_COPIES and not (tied and name == "lm_head.weight")
+            and not name.endswith("EncDecAttention.relative_attention_bias.weight")}
+
+
+def check_tensors(source, shapes, labels, redundant=None, unused=()):
+    """Prove the plan complete: every target tensor of `shapes` is in `source` with that shape, and every
+    source tensor is either a target tensor, a copy (`redundant`: copy -> original, same shape) or `unused`.
+    `labels` is (source family, target family) for the messages."""
+    redundant = redundant or {}
+    names = set(source.names())
+    source_label, target_label = labels
+    missing = sorted(set(shapes) - names)
+    if missing:
+        raise ConversionError(f"{source_label} checkpoint lacks {len(missing)} tensor(s) {target_label} needs, "
+                              f"e.g. {missing[0]}")
+    unexpected = sorted(names - set(shapes) - set(redundant) - set(unused))
+    if unexpected:
+        raise ConversionError(f"{source_label} tensor {unexpected[0]} has no {target_label} counterpart "
+                              f"({len(unexpected)} unmapped in total)")
+    for name, shape in shapes.items():
+        if source.shape(name) != shape:
+            raise ConversionError(f"tensor {name} has shape {source.shape(name)}, the config implies {shape}")
+    for copy, original in redundant.items():
+        if source.shape(copy) != source.shape(original):
+            raise ConversionError(f"{copy} should be a copy of {original} but has another shape")
+    return {name: name for name in shapes}  # FAT5 keeps T5's parameter names
+
+
+def read_config(folder):
     folder = Path(folder)
     if not folder.is_dir():
         raise ConversionError(f"{folder} is not a directory")
     if not (folder / "config.json").is_file():
         raise ConversionError(f"{folder} has no config.json")
-    source_config = read_json_object(folder / "config.json")
+    return read_json_object(folder / "config.json")
+
+
+def plan_conversion(folder):
+    """T5 -> FAT5: read config.json and the tensor index of `folder`, decide the mapping, and check it."""
+    source_config = read_config(folder)
     if source_config.get("model_type") not in SUPPORTED_MODEL_TYPES:
         fat5_config_from_t5(source_config, True)  # raises the unsupported-type error
     source = TensorSource(folder)
@@ -247,30 +341,37 @@ def plan_conversion(folder):
         if lm_head_tied:
             redundant["lm_head.weight"] = "shared.weight"
     config = fat5_config_from_t5(source_config, lm_head_tied)
-
-    with torch.device("meta"):
-        target = FAT5ForConditionalGeneration(config)
-    shapes = {name: tuple(tensor.shape) for name, tensor in target.state_dict().items()}
-    if config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)
-
+    try:
+        with torch.device("meta"):
+            shapes = model_shapes(FAT5ForConditionalGeneration(config), config.tie_word_embeddings)
+    except ValueError as error:  # e.g. transformers 4 validating the generation fields of config.json
+        raise ConversionError(f"inconsistent source config: {error_line(error)}") from error
     unused = [name for name in UNUSED_SOURCE_TENSORS if name in names]
-    mapping = {name: name for name in shapes}
-    missing = sorted(name for name in mapping if name not in names)
-    if missing:
-        raise ConversionError(f"source checkpoint lacks {len(missing)} tensor(s) FAT5 needs, e.g. {missing[0]}")
-    unexpected = sorted(names - set(mapping) - set(redundant) - set(unused))
-    if unexpected:
-        raise ConversionError(f"source tensor {unexpected[0]} has no FAT5 counterpart "
-                              f"({len(unexpected)} unmapped in total)")
-    for name, shape in shapes.items():
-        if source.shape(name) != shape:
-            raise ConversionError(f"tensor {name} has shape {source.shape(name)}, the config implies {shape}")
-    for copy, original in redundant.items():
-        if source.shape(copy) != source.shape(original):
-            raise ConversionError(f"{copy} should be a copy of {original} but has another shape")
+    mapping = check_tensors(source, shapes, ("source", "FAT5"), redundant, unused)
     return ConversionPlan(source=source, config=config, source_config=source_config, mapping=mapping,
                           redundant=redundant, ignored=unused, shapes=shapes)
+
+
+def plan_back_conversion(folder, model_type=None):
+    """FAT5 -> transformers T5: the plan from a FAT5 folder to the tensors of `model_type` (the same names),
+    checked complete; `plan.config` is the T5 config.json dict."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    fat5_config = read_config(folder)
+    if fat5_config.get("model_type") != "fat5":
+        raise ConversionError(f"{folder} is not a FAT5 checkpoint (config.json model_type "
+                              f"{fat5_config.get('model_type')!r})")
+    source = TensorSource(folder)
+    tied = "lm_head.weight" not in source.names()
+    config = t5_config_from_fat5(fat5_config, model_type, tied)
+    floating = [source.dtype(name) for name in source.names() if source.dtype(name).is_floating_point]
+    if floating:
+        config["dtype"] = str(floating[0]).removeprefix("torch.")
+    fields = {key: value for key, value in config.items() if key not in ("architectures", "transformers_version")}
+    with torch.device("meta"):
+        shapes = model_shapes(AutoModelForSeq2SeqLM.from_config(AutoConfig.for_model(**fields)), tied)
+    mapping = check_tensors(source, shapes, ("FAT5", config["model_type"]))
+    return ConversionPlan(source=source, config=config, source_config=fat5_config, mapping=mapping, shapes=shapes)
 
 
 def iter_converted_tensors(plan, dtype=None, allow_non_finite=False):

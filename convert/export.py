@@ -1,6 +1,5 @@
 """Write a converted checkpoint as a self-contained Hub repo folder, atomically, and prove its parity."""
 
-import gc
 import json
 import re
 import shutil
@@ -9,23 +8,19 @@ import tempfile
 from pathlib import Path
 
 import torch
+import transformers
 from tqdm.auto import tqdm
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PretrainedConfig
 
-import fat5
-from convert.checkpoint import (SAFETENSORS_DTYPES, first_line, iter_converted_tensors, load_source_model,
-                                read_json_object)
-from convert.cli import CommandError
+from convert.checkpoint import SAFETENSORS_DTYPES, iter_converted_tensors, read_json_object
+from convert.cli import CommandError, error_line
 from convert.hub import render_model_card
+from convert.parity import verify_parity
 from fat5.remote_code_fat5 import mark_as_package, write_remote_code
 
 TOKENIZER_FILES = ("spiece.model", "sentencepiece.bpe.model", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json")
 SAFETENSORS_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
-# Verification tolerance on logits, relative to the largest reference logit, per stored dtype.
-PARITY_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
-PARITY_TEXTS = ("translate English to German: The house is wonderful.", "summarize: studies have shown that "
-                "owning a dog is good for you", "cola sentence: The course is jumping well.")
 
 
 class ExportError(CommandError):
@@ -74,7 +69,7 @@ def write_safetensors_streaming(plan, folder, dtype, max_shard_size, allow_non_f
     weight_map = {}
     tensors = iter_converted_tensors(plan, dtype, allow_non_finite)
     with tqdm(total=len(entries), desc="Converting tensors", unit="tensor") as progress:
-        for shard, file_name in zip(shards, names):
+        for shard, file_name in zip(shards, names, strict=True):
             header, offset = {"__metadata__": {"format": "pt"}}, 0
             for name, out_dtype, shape, size in shard:
                 header[name] = {"dtype": SAFETENSORS_CODES[out_dtype], "shape": list(shape),
@@ -86,7 +81,7 @@ def write_safetensors_streaming(plan, folder, dtype, max_shard_size, allow_non_f
             with open(folder / file_name, "wb") as file:
                 file.write(struct.pack("<Q", len(header_bytes)))
                 file.write(header_bytes)
-                for name, out_dtype, shape, size in shard:
+                for name, out_dtype, shape, _ in shard:
                     tensor_name, tensor = next(tensors)
                     if tensor_name != name or tensor.dtype != out_dtype or tuple(tensor.shape) != shape:
                         raise ExportError(f"internal: tensor {tensor_name} does not match its header entry {name}")
@@ -116,7 +111,9 @@ def iter_converted_tensors_dtype(plan):
             yield source_dtype
 
 
-def copy_side_files(source_folder, folder, config):
+def copy_side_files(source_folder, folder, source_config):
+    """Copy the tokenizer files and write the generation config: the source's generation_config.json, or, as
+    transformers builds it for a folder without one, from the generation fields of its config.json."""
     source_folder = Path(source_folder)
     copied = []
     for name in TOKENIZER_FILES:
@@ -125,56 +122,12 @@ def copy_side_files(source_folder, folder, config):
             copied.append(name)
     if (source_folder / "generation_config.json").is_file():
         generation_config = GenerationConfig.from_pretrained(source_folder)
+    elif int(transformers.__version__.split(".")[0]) >= 5:  # its config classes drop the generation fields
+        generation_config = GenerationConfig.from_model_config(dict(source_config))
     else:
-        generation_config = GenerationConfig.from_model_config(config)
+        generation_config = GenerationConfig.from_model_config(PretrainedConfig.from_dict(source_config))
     generation_config.save_pretrained(folder)
     return copied
-
-
-def verify_parity(source_folder, folder, dtype):
-    """Reload the written folder and compare its logits with the source model's on a sample batch.
-
-    Returns (max |difference| over real tokens, description of the sample); raises ExportError above tolerance.
-    """
-    from transformers import AutoTokenizer
-
-    source = load_source_model(source_folder, dtype=dtype)
-    config = source.config
-    if (folder / "tokenizer_config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        batch = tokenizer(list(PARITY_TEXTS), padding=True, return_tensors="pt")
-        labels = tokenizer([text.split(":")[0] for text in PARITY_TEXTS], padding=True, return_tensors="pt")
-        sample = f"{len(PARITY_TEXTS)} padded sentences"
-        batch["decoder_input_ids"] = source._shift_right(labels.input_ids)
-        batch["decoder_attention_mask"] = labels.attention_mask
-    else:  # the source has no tokenizer files: random token ids
-        generator = torch.Generator().manual_seed(0)
-        vocab = config.vocab_size
-        batch = {"input_ids": torch.randint(2, vocab, (2, 17), generator=generator),
-                 "attention_mask": torch.ones(2, 17, dtype=torch.long),
-                 "decoder_input_ids": torch.randint(2, vocab, (2, 9), generator=generator),
-                 "decoder_attention_mask": torch.ones(2, 9, dtype=torch.long)}
-        batch["attention_mask"][1, 11:] = 0
-        sample = "2 random padded sequences"
-    with torch.no_grad():
-        expected = source(**batch).logits.float()
-    # One model in memory at a time: the source goes before the converted folder is loaded.
-    del source
-    gc.collect()
-    converted = fat5.FAT5ForConditionalGeneration.from_pretrained(folder, dtype=dtype).eval()
-    converted.config.attention_backend = "eager"
-    with torch.no_grad():
-        actual = converted(**batch).logits.float()
-    real = batch["decoder_attention_mask"].bool()
-    difference = (expected - actual)[real].abs().max().item()
-    stored = converted.shared.weight.dtype
-    del converted
-    tolerance = PARITY_TOLERANCE[stored] * expected[real].abs().max().item()
-    sample = f"{sample}, {str(stored).removeprefix('torch.')}"
-    if not difference <= tolerance:
-        raise ExportError(f"parity check failed: max |logits difference| {difference:.3g} > tolerance "
-                          f"{tolerance:.3g} ({sample})")
-    return difference, sample
 
 
 def source_card_metadata(source_folder):
@@ -189,7 +142,7 @@ def source_card_metadata(source_folder):
     try:
         data = ModelCard.load(readme).data
     except (ValueError, yaml.YAMLError) as error:
-        raise ExportError(f"the source's README.md has an unreadable metadata header: {first_line(error)}") \
+        raise ExportError(f"the source's README.md has an unreadable metadata header: {error_line(error)}") \
             from error
     return {"license": data.get("license"), "language": data.get("language")}
 
@@ -212,7 +165,7 @@ def check_card_renders(card):
         try:
             render_model_card(scratch, **card, parity_max_abs_diff=None, parity_sample=None)
         except (jinja2.TemplateError, yaml.YAMLError, ValueError, OSError) as error:
-            raise ExportError(f"the model card template does not render: {first_line(error)}") from error
+            raise ExportError(f"the model card template does not render: {error_line(error)}") from error
 
 
 def export(plan, source_folder, output, *, dtype=None, attention_backend="auto", max_shard_size="5GB",
@@ -230,7 +183,7 @@ def export(plan, source_folder, output, *, dtype=None, attention_backend="auto",
     with output as staging:
         write_safetensors_streaming(plan, staging, dtype, max_bytes, allow_non_finite)
         export_config(plan, staging, dtype, attention_backend)
-        copy_side_files(source_folder, staging, plan.config)
+        copy_side_files(source_folder, staging, plan.source_config)
         write_remote_code(staging)
         difference, sample = verify_parity(source_folder, staging, dtype) if verify else (None, None)
         render_model_card(staging, **card, parity_max_abs_diff=difference, parity_sample=sample)

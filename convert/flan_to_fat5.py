@@ -14,8 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from convert.cli import CliParser, CommandError, exit_with, run
-from convert.safety import add_output_arguments
+from convert.cli import CliParser, CommandError, add_output_arguments, error_line, exit_with, run
 
 # Heavy modules (torch, transformers) are imported inside `convert`, where Ctrl-C is handled.
 DTYPES = ("bfloat16", "float16", "float32")
@@ -69,9 +68,8 @@ def resolve_source(src, revision, token):
         if not any(Path(folder).glob("*.safetensors")):
             folder = snapshot_download(src, revision=revision, token=token, allow_patterns=SOURCE_PATTERNS_BIN)
     except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, OSError, ValueError) as error:
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CommandError(f"SRC {src} is neither a local folder nor a downloadable Hub model: {message}") \
-            from error
+        raise CommandError(f"SRC {src} is neither a local folder nor a downloadable Hub model: "
+                           f"{error_line(error)}") from error
     return Path(folder), src
 
 

@@ -13,7 +13,7 @@ import huggingface_hub
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 
-from convert.cli import CommandError
+from convert.cli import CommandError, error_line
 from fat5.remote_code_fat5 import PIPELINE_TASK, custom_pipelines_entry  # noqa: F401  (re-exported)
 
 MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent / "model_card_template.md"
@@ -62,9 +62,9 @@ def render_model_card(
 
     base_model: source checkpoint id, or None. license: carried from the source, or None when unknown.
     family: "t5", "flan-t5", "mt5"... parity_max_abs_diff: largest |logits FAT5 - logits source| measured on
-    parity_sample, or None when not measured (a short description of the inputs and dtype). repo_id: the id the snippets load (defaults to
-    a local path placeholder). convert_command: the command line that produced the folder. source_name: what the
-    title names when there is no base_model (e.g. the source folder's name).
+    parity_sample, or None when not measured (a short description of the inputs and dtype). repo_id: the id the
+    snippets load (defaults to a local path placeholder). convert_command: the command line that produced the
+    folder. source_name: what the title names when there is no base_model (e.g. the source folder's name).
     """
     tags = list(dict.fromkeys(["fat5", "custom_code", "t5", family, *extra_tags]))
     card_data = ModelCardData(
@@ -91,11 +91,6 @@ def render_model_card(
     return path
 
 
-def _first_line(error):
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def check_push_credentials(token=None):
     """The token a push would use; raises PushError, without touching the network, if there is none.
     (Offline mode needs no check of ours: huggingface_hub refuses every call, and that becomes a PushError.)"""
@@ -115,7 +110,7 @@ def check_push_access(repo_id, token=None):
     try:
         validate_repo_id(repo_id)
     except HFValidationError as error:
-        raise PushError(f"cannot push to {repo_id}: invalid repo id: {_first_line(error)}") from error
+        raise PushError(f"cannot push to {repo_id}: invalid repo id: {error_line(error)}") from error
     api = HfApi(token=check_push_credentials(token))
     with _hub_errors(repo_id):
         api.whoami()
@@ -127,13 +122,13 @@ def _hub_errors(repo_id):
     try:
         yield
     except OfflineModeIsEnabled as error:
-        raise PushError(f"cannot push to {repo_id}: {_first_line(error)}") from error
+        raise PushError(f"cannot push to {repo_id}: {error_line(error)}") from error
     except HFValidationError as error:
-        raise PushError(f"cannot push to {repo_id}: invalid repo id or revision: {_first_line(error)}") from error
+        raise PushError(f"cannot push to {repo_id}: invalid repo id or revision: {error_line(error)}") from error
     except HfHubHTTPError as error:
-        raise PushError(f"push to {repo_id} failed: the Hub answered {_first_line(error)}") from error
+        raise PushError(f"push to {repo_id} failed: the Hub answered {error_line(error)}") from error
     except _CLIENT_ERRORS as error:
-        raise PushError(f"push to {repo_id} failed: cannot reach the Hub ({_first_line(error)})") from error
+        raise PushError(f"push to {repo_id} failed: cannot reach the Hub ({error_line(error)})") from error
 
 
 def push_to_hub(

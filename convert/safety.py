@@ -1,10 +1,12 @@
 """Writing an output folder so that nothing outside it is ever touched and it is never half there.
 
-Both converters build OUT in a staging folder beside it, then put it in place with one atomic step: a plain
-rename when OUT is absent, an atomic exchange of the two directories (Linux `renameat2(RENAME_EXCHANGE)`) when
-it replaces an existing OUT. At every instant OUT's path holds either the complete old folder or the complete
-new one. Staging folders are named after OUT and the owning process, so a run removes those left by killed
-runs on the same OUT, and only those.
+Both converters build OUT in a staging folder beside it, then put it in place with one atomic step
+(`put_in_place`): a rename that refuses to replace anything when OUT was absent (Linux
+`renameat2(RENAME_NOREPLACE)`), a rename that replaces only an empty folder when OUT was one, and with
+--overwrite an atomic exchange of the two directories (`renameat2(RENAME_EXCHANGE)`). At every instant OUT's path
+holds either the complete old folder or the complete new one, and without --overwrite nothing that appeared at
+OUT during the run is replaced. Staging folders are named after OUT and the owning process, so a run removes
+those left by killed runs on the same OUT, and only those.
 """
 
 import ctypes
@@ -21,7 +23,7 @@ from pathlib import Path
 from convert.cli import CommandError
 
 STAGING_MARK = ".fat5-staging-"
-RENAME_EXCHANGE = 2  # linux/fs.h
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2  # linux/fs.h
 AT_FDCWD = -100
 
 
@@ -79,18 +81,67 @@ def make_staging(out):
     return staging
 
 
-def _exchange(first, second):
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE). False where the system lacks it."""
+def _renameat2(first, second, flag):
+    """Linux renameat2(first, second, flag); False where the system lacks it or the flag (kernel, filesystem)."""
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     if not hasattr(libc, "renameat2"):
         return False
-    result = libc.renameat2(AT_FDCWD, os.fsencode(first), AT_FDCWD, os.fsencode(second), RENAME_EXCHANGE)
+    result = libc.renameat2(AT_FDCWD, os.fsencode(first), AT_FDCWD, os.fsencode(second), flag)
     if result == 0:
         return True
     code = ctypes.get_errno()
     if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False  # kernel or filesystem without RENAME_EXCHANGE
-    raise OSError(code, os.strerror(code), str(first))
+        return False
+    raise OSError(code, os.strerror(code), str(second))
+
+
+def _exchange(first, second):
+    """Atomically swap two paths. False where the system cannot."""
+    return _renameat2(first, second, RENAME_EXCHANGE)
+
+
+def _rename_no_replace(first, second):
+    """Rename `first` to `second`, atomically failing with FileExistsError if `second` exists. Without
+    renameat2, `second` is claimed with mkdir first, then replaced by the rename (which replaces only an empty
+    folder, so anything put into the claimed one meanwhile makes it fail)."""
+    if _renameat2(first, second, RENAME_NOREPLACE):
+        return
+    os.mkdir(second)
+    os.rename(first, second)
+
+
+def put_in_place(staging, out, replace):
+    """Move the complete folder `staging` to `out` in one atomic step; return the path where the folder that
+    was at `out` now lies, for the caller to remove (None when there was none, or only an empty folder).
+
+    `replace`: "all" replaces whatever is at `out` (--overwrite); "empty" accepts `out` absent or an empty folder
+    (a rename replaces only an empty folder, atomically); "nothing" accepts only an absent `out`. Otherwise
+    `out` is left as it is and OutputError says so.
+    """
+    staging, out = Path(staging), Path(out)
+    try:
+        if replace == "empty":
+            os.rename(staging, out)
+        else:
+            _rename_no_replace(staging, out)
+        return None
+    except OSError as error:
+        if error.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+            raise
+        if replace != "all":
+            raise OutputError(f"{out} appeared or was filled while converting: left as it is (use --overwrite "
+                              "to replace it)") from error
+    if _exchange(staging, out):
+        return staging
+    # Two renames (signals are held by the caller); a crash between them leaves the old folder at a staging path.
+    old = staging.with_name(staging.name + "-old")
+    os.rename(out, old)
+    try:
+        os.rename(staging, out)
+    except OSError:
+        os.rename(old, out)
+        raise
+    return old
 
 
 @contextmanager
@@ -119,6 +170,7 @@ class AtomicOutput:
         self.out = Path(out)
         check_paths(source, self.out, overwrite)
         self.existed = self.out.is_dir()
+        self.overwrite = overwrite
         self.state = "unchanged"  # -> "written" once the new folder is at OUT's path
         self.staging = None
 
@@ -127,26 +179,17 @@ class AtomicOutput:
         return self.staging
 
     def commit(self):
-        """Put the staging folder at OUT's path in one atomic step; then remove the old folder."""
+        """Put the staging folder at OUT's path in one atomic step; then remove the old folder. Without
+        --overwrite, only what the run started with may be replaced: nothing, or an empty folder."""
+        replace = "all" if self.overwrite else "empty" if self.existed else "nothing"
         with signals_deferred():
-            if not self.out.exists():
-                os.rename(self.staging, self.out)
-            elif not _exchange(self.staging, self.out):
-                self._replace_without_exchange()
+            # From here on `staging` names the old folder to remove (None if there is none): __exit__ removes
+            # it even when a signal held during the swap is raised right after it.
+            self.staging = put_in_place(self.staging, self.out, replace)
             self.state = "written"
-        shutil.rmtree(self.staging, ignore_errors=True)  # now the old OUT, or already gone
-
-    def _replace_without_exchange(self):
-        # Two renames, with signals held; a crash between them leaves the old folder at the staging path
-        # (reported by the next run's clean-up only if this process died).
-        old = self.staging.with_name(self.staging.name + "-old")
-        os.rename(self.out, old)
-        try:
-            os.rename(self.staging, self.out)
-        except OSError:
-            os.rename(old, self.out)
-            raise
-        self.staging = old
+        if self.staging is not None:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            self.staging = None
 
     def __exit__(self, *exc):
         if self.staging is not None:
@@ -161,15 +204,3 @@ class AtomicOutput:
         if self.existed:
             return f"{self.out} is unchanged (the old folder is intact)"
         return f"nothing was written to {self.out}"
-
-
-def add_output_arguments(parser, verify_help):
-    """The options both converters share: shard size, replacing OUT, verification, non-finite weights."""
-    parser.add_argument("--max-shard-size", default="5GB",
-                        help="largest safetensors shard, e.g. 5GB, 500MB (default: 5GB)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace OUT if it exists and is not empty (atomically: OUT is always either the "
-                             "old or the new folder)")
-    parser.add_argument("--no-verify", action="store_true", help=verify_help)
-    parser.add_argument("--allow-non-finite", action="store_true",
-                        help="convert tensors holding NaN or infinite values instead of refusing them")

@@ -1,11 +1,64 @@
 """FAT5 configuration: T5's fields, plus the position encoding and attention backend choices."""
 
 import copy
+import math
 
 from transformers import PretrainedConfig
 
 POSITION_ENCODING_TYPES = ("t5", "rope", "alibi", "fire", "none")
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "triton")
+LM_LOSS_IMPLEMENTATIONS = ("chunked", "liger")
+
+
+def _integer(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _feed_forward_proj(value):
+    from transformers.activations import ACT2FN
+
+    if not isinstance(value, str):
+        return False
+    parts = value.split("-")
+    if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
+        return False
+    return ("gelu_new" if value == "gated-gelu" else parts[-1]) in ACT2FN
+
+
+def _token_id(value):
+    return _integer(value) and value >= 0
+
+
+# What each field must hold, checked on every assignment (config.json at load, `from_pretrained(..., field=...)`,
+# later changes), so a bad value fails with one line naming the field instead of at the first forward.
+_RULES = (
+    (("vocab_size", "d_model", "d_kv", "d_ff", "num_heads", "relative_attention_num_buckets",
+      "relative_attention_max_distance", "fire_mlp_width"), lambda value: _integer(value) and value > 0,
+     "a positive integer"),
+    (("num_layers", "num_decoder_layers"), lambda value: _integer(value) and value >= 0, "a non-negative integer"),
+    (("dropout_rate", "attention_dropout_rate", "classifier_dropout", "label_smoothing"),
+     lambda value: _number(value) and 0 <= value < 1, "a number in [0, 1)"),
+    (("layer_norm_epsilon", "initializer_factor", "attention_scale", "rope_theta", "fire_init_c",
+      "fire_init_threshold"), lambda value: _number(value) and value > 0, "a finite number > 0"),
+    (("z_loss",), lambda value: _number(value) and value >= 0, "a finite number >= 0"),
+    (("tie_word_embeddings", "scale_decoder_outputs", "relative_bias_per_layer", "return_logits_in_training",
+      "use_cache", "is_encoder_decoder"), lambda value: isinstance(value, bool), "true or false"),
+    (("position_encoding_type",), lambda value: value in POSITION_ENCODING_TYPES,
+     f"one of {POSITION_ENCODING_TYPES}"),
+    (("attention_backend",), lambda value: value in ATTENTION_BACKENDS, f"one of {ATTENTION_BACKENDS}"),
+    (("lm_loss_implementation",), lambda value: value in LM_LOSS_IMPLEMENTATIONS, f"one of {LM_LOSS_IMPLEMENTATIONS}"),
+    (("feed_forward_proj",), _feed_forward_proj,
+     "of the form 'ACT' or 'gated-ACT' with ACT a transformers activation (e.g. 'relu', 'gated-gelu', 'gated-silu')"),
+    (("pad_token_id", "decoder_start_token_id"), _token_id,
+     "a token id (T5 models need pad_token_id and decoder_start_token_id, usually both 0)"),
+    (("eos_token_id",), lambda value: value is None or _token_id(value)
+     or (isinstance(value, list) and all(_token_id(item) for item in value)), "a token id, a list of them or null"),
+)
+FIELD_RULES = {name: (test, description) for names, test, description in _RULES for name in names}
 
 
 class FAT5Config(PretrainedConfig):
@@ -136,10 +189,17 @@ class FAT5Config(PretrainedConfig):
         self._validate_fat5()
 
     def __setattr__(self, key, value):
-        # Checked on every assignment, so `from_pretrained(..., attention_backend=...)` (which sets attributes
-        # after __init__) fails at load time rather than at the first forward.
-        if key == "attention_backend" and value not in ATTENTION_BACKENDS:
-            raise ValueError(f"FAT5Config.attention_backend: {value!r} is not one of {ATTENTION_BACKENDS}")
+        # Checked on every assignment, so `from_pretrained(..., dropout_rate=...)` (which sets attributes after
+        # __init__) fails at load time rather than at the first forward.
+        name = self.attribute_map.get(key, key)
+        if name in FIELD_RULES:
+            test, description = FIELD_RULES[name]
+            try:
+                valid = test(value)
+            except TypeError:  # e.g. an unhashable value compared with a tuple of choices
+                valid = False
+            if not valid:
+                raise ValueError(f"FAT5Config.{name}: {value!r} is not {description}")
         super().__setattr__(key, value)
 
     def get_text_config(self, decoder=None, encoder=None):
@@ -162,48 +222,26 @@ class FAT5Config(PretrainedConfig):
         return "gelu_new" if self.feed_forward_proj == "gated-gelu" else act
 
     def _validate_fat5(self):
-        from transformers.activations import ACT2FN
+        """What no single field can say; each field's own type and range is checked when it is set."""
 
         def fail(field, message):
             raise ValueError(f"FAT5Config.{field}: {message}")
 
-        for field in ("vocab_size", "d_model", "d_kv", "d_ff", "num_heads"):
-            if not isinstance(getattr(self, field), int) or getattr(self, field) <= 0:
-                fail(field, f"must be a positive integer, got {getattr(self, field)!r}")
-        for field in ("num_layers", "num_decoder_layers"):
-            if not isinstance(getattr(self, field), int) or getattr(self, field) < 0:
-                fail(field, f"must be a non-negative integer, got {getattr(self, field)!r}")
-        parts = self.feed_forward_proj.split("-")
-        if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated") or self.dense_act_fn not in ACT2FN:
-            fail("feed_forward_proj", f"{self.feed_forward_proj!r} is not of the form 'ACT' or 'gated-ACT' "
-                 "with ACT a transformers activation (e.g. 'relu', 'gated-gelu', 'gated-silu')")
-        if self.position_encoding_type not in POSITION_ENCODING_TYPES:
-            fail("position_encoding_type", f"{self.position_encoding_type!r} is not one of {POSITION_ENCODING_TYPES}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            fail("attention_backend", f"{self.attention_backend!r} is not one of {ATTENTION_BACKENDS}")
         if self.relative_bias_per_layer and self.position_encoding_type != "t5":
             fail("relative_bias_per_layer", "a bias table per layer needs position_encoding_type='t5'")
         if self.position_encoding_type == "t5":
             buckets, distance = self.relative_attention_num_buckets, self.relative_attention_max_distance
-            if not isinstance(buckets, int) or buckets < 4 or buckets % 2:
+            if buckets < 4 or buckets % 2:
                 fail("relative_attention_num_buckets", f"must be an even integer >= 4, got {buckets!r}")
             # The decoder's one-directional buckets are exact up to num_buckets // 2, logarithmic beyond.
-            if not isinstance(distance, int) or distance <= buckets // 2:
+            if distance <= buckets // 2:
                 fail("relative_attention_max_distance",
                      f"must exceed relative_attention_num_buckets // 2 = {buckets // 2}, got {distance!r}")
         if self.position_encoding_type == "rope" and self.d_kv % 2:
             fail("d_kv", f"RoPE rotates pairs of channels, so d_kv must be even, got {self.d_kv}")
-        for field in ("dropout_rate", "attention_dropout_rate", "classifier_dropout", "label_smoothing"):
-            if not 0.0 <= getattr(self, field) < 1.0:
-                fail(field, f"must be in [0, 1), got {getattr(self, field)!r}")
-        if self.z_loss < 0:
-            fail("z_loss", f"must be >= 0, got {self.z_loss!r}")
-        if self.lm_loss_implementation not in ("chunked", "liger"):
-            fail("lm_loss_implementation", f"{self.lm_loss_implementation!r} is not one of ('chunked', 'liger')")
-        if self.attention_scale <= 0:
-            fail("attention_scale", f"must be > 0, got {self.attention_scale!r}")
-        if self.pad_token_id is None or self.decoder_start_token_id is None:
-            fail("pad_token_id", "T5 models need pad_token_id and decoder_start_token_id (usually both 0)")
+        for field in ("pad_token_id", "decoder_start_token_id"):
+            if getattr(self, field) >= self.vocab_size:
+                fail(field, f"{getattr(self, field)} is not below vocab_size {self.vocab_size}")
 
 
 __all__ = ["FAT5Config"]

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 import convert.export
 import convert.safety
-from convert.checkpoint import plan_conversion, iter_converted_tensors
+from convert.checkpoint import iter_converted_tensors, plan_conversion
 from convert.flan_to_fat5 import main
 from t5_checkpoints import make_t5_checkpoint
 
@@ -224,3 +224,76 @@ def test_source_pages_are_released_as_tensors_stream(flan):
     for _ in iter_converted_tensors(plan):
         # Each safetensors file is reopened per tensor, so no mapping of an earlier tensor stays alive.
         assert plan.source._handles == {}
+
+
+def someone_else_writes(out, what):
+    """What another process puts at OUT while the conversion runs."""
+    if what == "a folder with a file":
+        out.mkdir(exist_ok=True)
+        (out / "theirs.txt").write_text("theirs")
+    elif what == "an empty folder":
+        out.mkdir(exist_ok=True)
+    else:  # a file
+        if out.is_dir():
+            out.rmdir()
+        out.write_text("theirs")
+
+
+@pytest.mark.parametrize("renameat2", [True, False])
+@pytest.mark.parametrize("started_with, appears", [
+    ("nothing", "a folder with a file"), ("nothing", "an empty folder"), ("nothing", "a file"),
+    ("an empty folder", "a folder with a file"), ("an empty folder", "a file"),
+])
+def test_out_that_appears_before_the_swap_is_left_as_it_is(flan, tmp_path, capsys, started_with, appears,
+                                                           renameat2):
+    out = tmp_path / "out"
+    if started_with == "an empty folder":
+        out.mkdir()
+    real_put_in_place = convert.safety.put_in_place
+
+    def race(staging, target, replace):
+        someone_else_writes(out, appears)  # at the last moment before the final swap
+        return real_put_in_place(staging, target, replace)
+
+    with mock.patch.object(convert.safety, "put_in_place", race), \
+            mock.patch.object(convert.safety, "_renameat2", convert.safety._renameat2 if renameat2 else
+                              (lambda first, second, flag: False)):
+        assert run_main(capsys, [str(flan), str(out), "--no-verify"]) == 2
+    assert "appeared or was filled while converting: left as it is" in one_error_line(capsys)
+    if appears == "a file":
+        assert out.read_text() == "theirs"
+    else:
+        assert snapshot(out) == ({Path("theirs.txt"): b"theirs"} if appears == "a folder with a file" else {})
+    assert staging_leftovers(tmp_path) == []
+
+
+def test_out_that_appears_before_the_swap_is_replaced_with_overwrite(flan, tmp_path, capsys):
+    out = tmp_path / "out"
+    real_put_in_place = convert.safety.put_in_place
+
+    def race(staging, target, replace):
+        someone_else_writes(out, "a folder with a file")
+        return real_put_in_place(staging, target, replace)
+
+    with mock.patch.object(convert.safety, "put_in_place", race):
+        assert run_main(capsys, [str(flan), str(out), "--no-verify", "--overwrite"]) == 0
+    assert not (out / "theirs.txt").exists() and (out / "config.json").is_file()
+    assert staging_leftovers(tmp_path) == []
+
+
+def test_the_way_back_also_leaves_an_out_that_appeared(flan, tmp_path, capsys):
+    from convert.fat5_to_t5 import main as back
+
+    assert run_main(capsys, [str(flan), str(tmp_path / "fat5"), "--no-verify"]) == 0
+    out = tmp_path / "t5"
+    real_put_in_place = convert.safety.put_in_place
+
+    def race(staging, target, replace):
+        someone_else_writes(out, "a folder with a file")
+        return real_put_in_place(staging, target, replace)
+
+    capsys.readouterr()
+    with mock.patch.object(convert.safety, "put_in_place", race):
+        assert back([str(tmp_path / "fat5"), str(out), "--no-verify"]) == 2
+    assert "appeared or was filled while converting" in one_error_line(capsys)
+    assert snapshot(out) == {Path("theirs.txt"): b"theirs"}

@@ -1,0 +1,93 @@
+"""The logits-parity proof of both converters: the written folder, reloaded, against the model it came from.
+
+One model is in memory at a time: the reference's logits are computed and the reference freed before the
+written folder is loaded. The difference is taken over real (unpadded) decoder positions and must be within
+PARITY_TOLERANCE of the largest reference logit, for the dtype the written model holds.
+"""
+
+import gc
+from pathlib import Path
+
+import torch
+
+from convert.cli import CommandError
+
+# Verification tolerance on logits, relative to the largest reference logit, per stored dtype.
+PARITY_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+PARITY_TEXTS = ("translate English to German: The house is wonderful.", "summarize: studies have shown that "
+                "owning a dog is good for you", "cola sentence: The course is jumping well.")
+
+
+class ParityError(CommandError):
+    """The written folder does not compute the logits of the model it was converted from."""
+
+
+def parity_batch(folder, reference):
+    """A padded batch for `reference` (a T5 or FAT5 model): a few sentences through the tokenizer in `folder`
+    when it has one, else random token ids. Returns (batch, description)."""
+    from transformers import AutoTokenizer
+
+    if (Path(folder) / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        batch = tokenizer(list(PARITY_TEXTS), padding=True, return_tensors="pt")
+        labels = tokenizer([text.split(":")[0] for text in PARITY_TEXTS], padding=True, return_tensors="pt")
+        batch["decoder_input_ids"] = reference.prepare_decoder_input_ids_from_labels(labels.input_ids)
+        batch["decoder_attention_mask"] = labels.attention_mask
+        return dict(batch), f"{len(PARITY_TEXTS)} padded sentences"
+    generator = torch.Generator().manual_seed(0)
+    vocab = reference.config.vocab_size
+    batch = {"input_ids": torch.randint(2, vocab, (2, 17), generator=generator),
+             "attention_mask": torch.ones(2, 17, dtype=torch.long),
+             "decoder_input_ids": torch.randint(2, vocab, (2, 9), generator=generator),
+             "decoder_attention_mask": torch.ones(2, 9, dtype=torch.long)}
+    batch["attention_mask"][1, 11:] = 0
+    return batch, "2 random padded sequences"
+
+
+def prove_parity(reference, load_written, tokenizer_folder):
+    """Compare `reference`'s logits with those of the model `load_written()` returns, on `parity_batch`.
+
+    `reference` is freed before the written model is loaded. Returns (max |difference| over real decoder
+    tokens, description of the sample); raises ParityError above tolerance.
+    """
+    batch, sample = parity_batch(tokenizer_folder, reference)
+    with torch.no_grad():
+        expected = reference(**batch).logits.float()
+    del reference
+    gc.collect()
+    written = load_written()
+    with torch.no_grad():
+        actual = written(**batch).logits.float()
+    stored = written.get_input_embeddings().weight.dtype
+    del written
+    real = batch["decoder_attention_mask"].bool()
+    difference = (expected - actual)[real].abs().max().item()
+    tolerance = PARITY_TOLERANCE[stored] * expected[real].abs().max().item()
+    sample = f"{sample}, {str(stored).removeprefix('torch.')}"
+    if not difference <= tolerance:
+        raise ParityError(f"parity check failed: max |logits difference| {difference:.3g} > tolerance "
+                          f"{tolerance:.3g} ({sample})")
+    return difference, sample
+
+
+def load_fat5(folder, dtype=None):
+    """A FAT5 folder's model on the eager reference attention (the backend the parity proof trusts)."""
+    import fat5
+
+    model = fat5.FAT5ForConditionalGeneration.from_pretrained(folder, dtype=dtype).eval()
+    model.config.attention_backend = "eager"
+    return model
+
+
+def verify_parity(source_folder, folder, dtype):
+    """T5 -> FAT5: the FAT5 folder written at `folder` against the transformers model of `source_folder`."""
+    from convert.checkpoint import load_source_model
+
+    return prove_parity(load_source_model(source_folder, dtype=dtype), lambda: load_fat5(folder, dtype), folder)
+
+
+def verify_back_parity(fat5_folder, folder):
+    """FAT5 -> T5: the checkpoint written at `folder`, loaded by plain transformers, against the FAT5 model."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    return prove_parity(load_fat5(fat5_folder), lambda: AutoModelForSeq2SeqLM.from_pretrained(folder).eval(), folder)

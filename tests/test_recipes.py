@@ -7,9 +7,12 @@ where this repository cannot be imported, and bad input ends with one error line
 
 import csv
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -243,6 +246,12 @@ def test_classification_both_heads_accuracy_in_fresh_process(demo_fat5, data, tm
     rows = [json.loads(line) for line in Path(data["nli_test"]).read_text().splitlines()]
     # The saved folder, loaded by a user's pipeline elsewhere, scores what the Trainer measured.
     assert isolated_accuracy(str(tmp_path / "out"), rows, task, tmp_path) == pytest.approx(test_accuracy)
+    # Both heads write their test predictions as label names.
+    with open(tmp_path / "out" / "predictions.csv", newline="") as f:
+        predictions = list(csv.DictReader(f))
+    assert [row["reference"] for row in predictions] == [row["label"] for row in rows]
+    accuracy = sum(row["prediction"] == row["reference"] for row in predictions) / len(rows)
+    assert accuracy == pytest.approx(test_accuracy)
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -355,3 +364,46 @@ def test_deepspeed_and_fsdp_configs():
     fsdp = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())
     assert fsdp["distributed_type"] == "FSDP"
     assert fsdp["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] in FAT5PreTrainedModel._no_split_modules
+
+
+def test_generation_max_length_holds_over_the_models_max_new_tokens(demo_fat5, data, tmp_path):
+    """The demo model's generation config sets max_new_tokens=32, which generate() prefers to the max_length
+    Seq2SeqTrainer passes: --generation_max_length must still bound what is generated."""
+    tokenizer = AutoTokenizer.from_pretrained(demo_fat5, trust_remote_code=True)
+    lengths = {}
+    for name, flags in {"default": [], "bounded": ["--generation_max_length", "3"]}.items():
+        out = tmp_path / name
+        fine_tune(translation.RECIPE, ["--model_name_or_path", demo_fat5, "--output_dir", str(out), "--test_file",
+                                       data["translation_test"], "--source_column", "en", "--target_column", "xx",
+                                       "--do_predict", "--report_to", "none", *flags])
+        with open(out / "predictions.csv", newline="") as f:
+            lengths[name] = [len(tokenizer(row["prediction"], add_special_tokens=False).input_ids)
+                             for row in csv.DictReader(f)]
+    assert max(lengths["default"]) > 2, lengths
+    # max_length counts the decoder start token.
+    assert max(lengths["bounded"]) <= 2, lengths
+
+
+def test_ctrl_c_during_training_one_line(demo_fat5, data, tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it, data-loader workers included) ends a
+    training run with one `interrupted:` line saying what the output folder holds, exit status 130."""
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "recipes.train", "--model_name_or_path", demo_fat5, "--output_dir", str(out),
+         "--train_file", data["double_train"], "--do_train", "--max_steps", "100000", "--save_strategy", "steps",
+         "--save_steps", "1", "--report_to", "none", "--dataloader_num_workers", "2", "--use_cpu"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "checkpoint-2").is_dir() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        os.killpg(process.pid, signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(f"interrupted: {out} holds") and "checkpoint-2" in last, last

@@ -143,13 +143,37 @@ def _fsync_folder(folder):
         os.close(descriptor)
 
 
+def put_in_place(source, target):
+    """Move the folder `source` to `target` in one atomic step, replacing what `target` holds. Returns the path
+    that then holds the old folder (`source` after an exchange, a `-old` name after two renames), or None when
+    `target` did not exist."""
+    source, target = Path(source), Path(target)
+    _fsync_folder(source)
+    with signals_deferred():
+        if not os.path.lexists(target):
+            os.rename(source, target)
+            old = None
+        elif exchange(source, target):
+            old = source
+        else:
+            old = source.with_name(source.name + "-old")
+            os.rename(target, old)
+            try:
+                os.rename(source, target)
+            except OSError:
+                os.rename(old, target)
+                raise
+    _fsync_folder(target.parent)
+    return old
+
+
 class StagedFolder:
     """A staging folder beside `target` that `commit()` puts at `target` in one step.
 
-    ``with StagedFolder(target) as staging: write into staging; staging.commit(keep=...)``: leaving the block
-    without a commit (an error, Ctrl-C) removes the staging folder and leaves `target` as it was. `keep(name)`
-    says which entries of an existing target the new folder keeps (those it does not write itself); None keeps
-    nothing, so the new folder replaces the old one whole. Permissions follow the umask."""
+    ``with StagedFolder(target) as staging: write into staging.path; staging.commit(keep=...)``: leaving the
+    block without a commit (an error, Ctrl-C) removes the staging folder and leaves `target` as it was.
+    `keep(name)` says which entries of an existing target the new folder keeps (among those it does not write
+    itself); None keeps nothing, so the new folder replaces the old one whole. Permissions follow the umask."""
 
     def __init__(self, target):
         self.target = Path(target)
@@ -164,9 +188,6 @@ class StagedFolder:
         self._lock = _lock(self.path)
         return self
 
-    def __fspath__(self):
-        return str(self.path)
-
     def commit(self, keep=None):
         apply_umask(self.path)
         if self.target.is_dir() and not self.target.is_symlink() and keep is not None:
@@ -175,24 +196,8 @@ class StagedFolder:
                 if entry.name not in written and keep(entry.name):
                     _link_tree(entry, self.path / entry.name)
             shutil.copystat(self.target, self.path)
-        _fsync_folder(self.path)
-        with signals_deferred():
-            if not os.path.lexists(self.target):
-                os.rename(self.path, self.target)
-            elif not exchange(self.path, self.target):
-                self._replace_in_two_renames()
-        # self.path now holds the old folder (or nothing): removed by __exit__.
-        _fsync_folder(self.target.parent)
-
-    def _replace_in_two_renames(self):
-        old = self.path.with_name(self.path.name + "-old")
-        os.rename(self.target, old)
-        try:
-            os.rename(self.path, self.target)
-        except OSError:
-            os.rename(old, self.target)
-            raise
-        self.path = old  # a staging name, so a crash before its removal leaves it to the next save's clean-up
+        # Then self.path holds the old folder (or nothing), which __exit__ removes.
+        self.path = put_in_place(self.path, self.target)
 
     def __exit__(self, *exc):
         try:
@@ -203,4 +208,3 @@ class StagedFolder:
                 os.close(self._lock)
                 self._lock = None
         return False
-

@@ -8,7 +8,8 @@ Every input is read and checked before the model loads, so bad input costs secon
 import json
 import logging
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -26,9 +27,9 @@ from transformers import (
     Trainer,
     TrainingArguments,
 )
-from transformers.trainer_utils import get_last_checkpoint
 
 from convert.cli import CommandError, Progress, error_line
+from fat5.training.run_folder import OverwriteOutputDirArgument, RunFolder, RunFolderTrainerMixin
 from recipes.arguments import ModelArguments
 from recipes.data import load_dataset_splits, read_table, write_predictions
 
@@ -37,6 +38,20 @@ SPLITS = {"train": "do_train", "validation": "do_eval", "test": "do_predict"}
 FILE_FLAGS = {"train": "train_file", "validation": "validation_file", "test": "test_file"}
 LIMIT_FLAGS = {"train": "max_train_samples", "validation": "max_eval_samples", "test": "max_predict_samples"}
 GENERATION_FLAGS = ("generation_max_length", "generation_num_beams", "generation_config")
+
+
+@dataclass
+class RecipeSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, OverwriteOutputDirArgument):
+    pass
+
+
+@dataclass
+class RecipeTrainingArguments(TrainingArguments, OverwriteOutputDirArgument):
+    pass
+
+
+class RecipeTrainer(RunFolderTrainerMixin, Trainer):
+    """Trainer whose checkpoints are atomic and belong to this run (fat5/training/run_folder.py)."""
 
 
 class RecipeParser(HfArgumentParser):
@@ -60,6 +75,10 @@ def parse_flags(dataclass_types, argv, **defaults):
 
 def check_flags(recipe, data_args, training_args, classes):
     """A flag that would have no effect in this combination is an error, not silently ignored."""
+    if not training_args.do_train:
+        for flag in ("resume_from_checkpoint", "overwrite_output_dir"):
+            if getattr(training_args, flag):
+                raise CommandError(f"--{flag} has no effect without --do_train")
     if not recipe.seq2seq and training_args.do_predict:
         raise CommandError("--do_predict: this recipe does not predict; run recipes.predict on the saved folder")
     for split, do_flag in SPLITS.items():
@@ -97,38 +116,6 @@ def load_splits(data_args, training_args):
         limit = getattr(data_args, LIMIT_FLAGS[split])
         tables[split] = table if limit is None else table.head(limit)
     return tables
-
-
-def claim_output(training_args, progress):
-    """The checkpoint to resume from (or None), after checking --output_dir may be written."""
-    output_dir = Path(training_args.output_dir)
-    resume = training_args.resume_from_checkpoint
-    if resume in ("last", "True", "true"):
-        resume = get_last_checkpoint(output_dir) if output_dir.is_dir() else None
-        if resume is None:
-            raise CommandError(f"--resume_from_checkpoint {training_args.resume_from_checkpoint}: no checkpoint-* "
-                               f"folder in {output_dir}")
-    elif resume is not None and not Path(resume).is_dir():
-        raise CommandError(f"--resume_from_checkpoint {resume} is not a folder")
-    if training_args.do_train and resume is None and output_dir.is_dir() and any(output_dir.iterdir()):
-        raise CommandError(f"--output_dir {output_dir} is not empty; use another folder or resume with "
-                           f"--resume_from_checkpoint last")
-    progress.describe = lambda: describe_output(output_dir)
-    return resume
-
-
-def describe_output(output_dir):
-    """What an interrupted run leaves in its output folder."""
-    if not output_dir.is_dir() or not any(output_dir.iterdir()):
-        return f"nothing was written to {output_dir}"
-    checkpoints = sorted((path.name for path in output_dir.glob("checkpoint-*")), key=lambda name: int(
-        name.split("-")[-1]) if name.split("-")[-1].isdigit() else -1)
-    saved = "a saved model" if (output_dir / "config.json").is_file() or \
-        (output_dir / "adapter_config.json").is_file() else "no saved model"
-    if checkpoints:
-        return (f"{output_dir} holds {saved} and {', '.join(checkpoints)}; continue with --resume_from_checkpoint "
-                f"last (the last checkpoint may be incomplete if it was being written)")
-    return f"{output_dir} holds {saved} and no checkpoint"
 
 
 def setup_logging(training_args):
@@ -186,9 +173,9 @@ def load_model(model_args, training_args, classes):
     return model
 
 
-class GenerationLengthTrainer(Seq2SeqTrainer):
-    """Seq2SeqTrainer whose --generation_max_length holds even when the model's generation config sets
-    max_new_tokens, which generate() would otherwise prefer to the max_length Seq2SeqTrainer passes."""
+class RecipeSeq2SeqTrainer(RunFolderTrainerMixin, Seq2SeqTrainer):
+    """Seq2SeqTrainer with the run folder's checkpoints, whose --generation_max_length holds even when the
+    model's generation config sets max_new_tokens (which generate() would prefer to Seq2SeqTrainer's max_length)."""
 
     def evaluate(self, *args, **gen_kwargs):
         return super().evaluate(*args, **self.length_limit(gen_kwargs))
@@ -271,9 +258,10 @@ def finish(trainer, split, metrics):
 
 
 def fine_tune(recipe, argv=None, progress=None):
-    """Run a recipe with command-line flags `argv`; returns the Trainer."""
+    """Run a recipe with command-line flags `argv`; returns the Trainer. A training run owns its --output_dir
+    for its lifetime (fat5/training/run_folder.py); evaluation and prediction only add their results to it."""
     progress = progress or Progress()
-    training_class = Seq2SeqTrainingArguments if recipe.seq2seq else TrainingArguments
+    training_class = RecipeSeq2SeqTrainingArguments if recipe.seq2seq else RecipeTrainingArguments
     model_args, data_args, training_args = parse_flags(
         (ModelArguments, recipe.data_arguments, training_class), argv,
         **({"predict_with_generate": True} if recipe.seq2seq else {}))
@@ -283,9 +271,19 @@ def fine_tune(recipe, argv=None, progress=None):
     check_flags(recipe, data_args, training_args, classes)
     tables = load_splits(data_args, training_args)
     examples = {split: recipe.examples(table, data_args) for split, table in tables.items()}
-    resume = claim_output(training_args, progress)
-    setup_logging(training_args)
+    run_folder = None
+    if training_args.do_train:
+        run_folder = RunFolder(training_args.output_dir, training_args.resume_from_checkpoint,
+                               overwrite=training_args.overwrite_output_dir, resume_flag="last")
+    with run_folder.opened(training_args) if run_folder else nullcontext():
+        if run_folder:
+            progress.describe = run_folder.describe
+        return train_evaluate_predict(recipe, model_args, data_args, training_args, classes, tables, examples,
+                                      run_folder)
 
+
+def train_evaluate_predict(recipe, model_args, data_args, training_args, classes, tables, examples, run_folder):
+    setup_logging(training_args)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
     encoded = {split: encode(tokenizer, *examples[split], data_args, classes, tables[split]) for split in tables}
     model = load_model(model_args, training_args, classes)
@@ -297,14 +295,15 @@ def fine_tune(recipe, argv=None, progress=None):
         collator = DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=8)
     else:
         collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
-    trainer = (GenerationLengthTrainer if recipe.seq2seq else Trainer)(
+    trainer = (RecipeSeq2SeqTrainer if recipe.seq2seq else RecipeTrainer)(
         model=model, args=training_args, train_dataset=encoded.get("train"), eval_dataset=encoded.get("validation"),
         processing_class=tokenizer, data_collator=collator,
         compute_metrics=text_metrics(tokenizer, classes, recipe.score) if scores else None)
     with one_line_worker_errors(), progress_bars_closed_on_interrupt(trainer):
         if training_args.do_train:
-            finish(trainer, "train", trainer.train(resume_from_checkpoint=resume).metrics)
+            finish(trainer, "train", trainer.train(resume_from_checkpoint=run_folder.resume_checkpoint).metrics)
             save(trainer, tokenizer, model_args, training_args)
+            run_folder.finished = True
         if training_args.do_eval:
             finish(trainer, "eval", trainer.evaluate())
         if training_args.do_predict:

@@ -328,8 +328,8 @@ def test_bad_input_one_error_line(demo_fat5, data, tmp_path, capsys):
     occupied = tmp_path / "occupied"
     occupied.mkdir()
     (occupied / "keep.txt").write_text("a user's file")
-    assert "not empty" in error_line(capsys, train.main, [*base, "--output_dir", str(occupied), "--train_file",
-                                                          data["double_train"]])
+    assert "holds files that are not a FAT5 run's" in error_line(capsys, train.main, [
+        *base, "--output_dir", str(occupied), "--train_file", data["double_train"]])
     assert (occupied / "keep.txt").read_text() == "a user's file"
     adapter = tmp_path / "adapter"
     adapter.mkdir()
@@ -384,20 +384,25 @@ def test_generation_max_length_holds_over_the_models_max_new_tokens(demo_fat5, d
     assert max(lengths["bounded"]) <= 2, lengths
 
 
-def test_ctrl_c_during_training_one_line(demo_fat5, data, tmp_path):
+def test_ctrl_c_and_the_run_folder(demo_fat5, data, tmp_path, capsys):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it, data-loader workers included) ends a
-    training run with one `interrupted:` line saying what the output folder holds, exit status 130."""
+    training run with one `interrupted:` line saying what the output folder holds, exit status 130. While it runs,
+    a second run on its folder is refused; afterwards, a new run is refused unless it resumes or overwrites, and
+    `--resume_from_checkpoint last` never picks an incomplete checkpoint."""
     out = tmp_path / "out"
+    base = ["--model_name_or_path", demo_fat5, "--output_dir", str(out), "--train_file", data["double_train"],
+            "--do_train", "--save_strategy", "steps", "--save_steps", "1", "--report_to", "none"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "recipes.train", "--model_name_or_path", demo_fat5, "--output_dir", str(out),
-         "--train_file", data["double_train"], "--do_train", "--max_steps", "100000", "--save_strategy", "steps",
-         "--save_steps", "1", "--report_to", "none", "--dataloader_num_workers", "2", "--use_cpu"],
+        [sys.executable, "-m", "recipes.train", *base, "--max_steps", "100000", "--dataloader_num_workers", "2"],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
         while not (out / "checkpoint-2").is_dir() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert process.poll() is None, process.stderr.read()[-3000:]
+        # Even a run that would resume it may not write into a folder in use.
+        assert "is in use by another run" in error_line(capsys, train.main, [*base, "--max_steps", "3",
+                                                                             "--resume_from_checkpoint", "last"])
         os.killpg(process.pid, signal.SIGINT)
         _, stderr = process.communicate(timeout=120)
     finally:
@@ -405,5 +410,20 @@ def test_ctrl_c_during_training_one_line(demo_fat5, data, tmp_path):
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
-    last = stderr.strip().splitlines()[-1]
-    assert last.startswith(f"interrupted: {out} holds") and "checkpoint-2" in last, last
+    last_line = stderr.strip().splitlines()[-1]
+    assert last_line.startswith(f"interrupted: {out} holds checkpoint-"), last_line
+    assert "--resume_from_checkpoint last" in last_line, last_line
+    steps = sorted(int(path.name.split("-")[1]) for path in out.glob("checkpoint-*"))
+    assert steps and steps[-1] >= 2
+
+    assert "holds another run's results" in error_line(capsys, train.main, [*base, "--max_steps", "1"])
+    # A checkpoint that is not complete (its save was interrupted) is never resumed from.
+    incomplete = out / f"checkpoint-{steps[-1] + 50}"
+    incomplete.mkdir()
+    (incomplete / "config.json").write_text("{}")
+    resumed = fine_tune(train.RECIPE, [*base, "--max_steps", str(steps[-1] + 1), "--resume_from_checkpoint", "last"])
+    assert resumed.state.global_step == steps[-1] + 1
+    assert not incomplete.exists()
+    overwritten = fine_tune(train.RECIPE, [*base, "--max_steps", "1", "--overwrite_output_dir"])
+    assert overwritten.state.global_step == 1
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-1"]

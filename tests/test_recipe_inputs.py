@@ -176,8 +176,10 @@ def test_output_dir_of_a_user_is_kept(tmp_path, capsys, pairs):
     occupied = tmp_path / "out"
     occupied.mkdir()
     (occupied / "notes.txt").write_text("a user's file")
-    assert "is not empty" in error_of(capsys, train.main, recipe_flags(tmp_path, pairs))
-    assert [path.name for path in occupied.iterdir()] == ["notes.txt"]
+    assert "holds files that are not a FAT5 run's" in error_of(capsys, train.main, recipe_flags(tmp_path, pairs))
+    assert (occupied / "notes.txt").read_text() == "a user's file"
+    # The run folder's lock file is the only thing the refused run leaves (fat5/training/run_folder.py).
+    assert {path.name for path in occupied.iterdir()} <= {"notes.txt", ".fat5_run.lock"}
 
 
 # ------------------------------------------------------------------------------------------------------- predict

@@ -5,6 +5,7 @@ Standard library only (see recipes/arguments.py): `datasets` is imported only fo
 """
 
 import csv
+import io
 import json
 from pathlib import Path
 
@@ -86,7 +87,8 @@ def read_table(path):
 def read_csv(path, text, delimiter):
     """Rows as dicts and the line each starts on. Quoted fields may span lines; a row with another number of
     fields than the header (an unclosed quote merges rows into one) is an error."""
-    reader = csv.reader(text.splitlines(keepends=True), delimiter=delimiter, strict=True)
+    # newline="": line ends inside quoted fields are kept as written, as the csv module requires.
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
     rows, lines = [], []
     start = 1
     try:
@@ -110,7 +112,8 @@ def read_csv(path, text, delimiter):
 
 def read_jsonl(path, text):
     rows, lines = [], []
-    for number, line in enumerate(text.splitlines(), 1):
+    # Lines end at "\n" only: JSON strings may hold other characters str.splitlines() would break at.
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:

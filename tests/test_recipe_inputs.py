@@ -71,6 +71,14 @@ def test_csv_quoted_newlines_and_byte_order_mark_are_read(tmp_path):
     assert [table.where(row) for row in range(2)] == [f"{tmp_path / 'train.csv'}:2", f"{tmp_path / 'train.csv'}:4"]
 
 
+def test_unusual_line_breaks_inside_values_are_kept(tmp_path):
+    text = "a\u2028b\x0cc"
+    jsonl = write(tmp_path / "train.jsonl", json.dumps({"source": text, "target": "x"}, ensure_ascii=False) + "\r\n")
+    assert read_table(jsonl).columns == {"source": [text], "target": ["x"]}
+    csv_file = write(tmp_path / "train.csv", f'source,target\r\n"{text}\r\nd",x\r\ne,f\r\n')
+    assert read_table(csv_file).columns == {"source": [text + "\r\nd", "e"], "target": ["x", "f"]}
+
+
 def test_non_utf8_file(tmp_path, capsys):
     data = write(tmp_path / "train.csv", "source,target\nthe cat,le chat\nthe café,le café\n", encoding="latin-1")
     line = error_of(capsys, train.main, recipe_flags(tmp_path, data))

@@ -96,6 +96,9 @@ class FAT5Text2TextGenerationPipeline(Pipeline):
 
     def __call__(self, inputs, **kwargs):
         """Generates from a string or a list of strings; see the class docstring for parameters and outputs."""
+        if isinstance(inputs, (list, tuple)) and not inputs:
+            # No inputs, no outputs (the base class would index the first input).
+            return []
         result = super().__call__(inputs, **kwargs)
         # The base class returns one list per input; 4.x unwrapped single results for list inputs.
         if (

@@ -5,11 +5,10 @@ This module is itself part of the remote code: a model loaded from a checkpoint 
 from the copy of the code transformers loaded it from.
 """
 
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
+
+from .atomic_folder import StagedFolder
 
 CODE_DIR = Path(__file__).resolve().parent
 # The modules a checkpoint loads by name; everything they import relatively comes with them (kernels included).
@@ -27,8 +26,8 @@ AUTO_MAP = {
     "AutoModelForQuestionAnswering": "modeling_fat5.FAT5ForQuestionAnswering",
 }
 PIPELINE_TASK = "text2text-generation"
-# Weight shards (and their index) of an earlier save that a new save no longer writes, as transformers removes them.
-SHARD_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5}\.(safetensors|bin)|\.(safetensors|bin)\.index\.json)")
+# Weight files of an earlier save (unsharded, shards, index), never kept beside a new save's weights.
+WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-\d{5}-of-\d{5})?\.(safetensors|bin)(\.index\.json)?")
 
 
 def custom_pipelines_entry():
@@ -87,22 +86,13 @@ def mark_as_package(config):
 
 
 def save_as_package(save, save_directory):
-    """Call `save(staging_folder)` (transformers' save_pretrained), add FAT5's code, then move the result into
-    `save_directory`. On any error `save_directory` is left as it was: no partial folder, no partial package."""
-    target = Path(save_directory)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
-    try:
-        save(staging)
-        write_remote_code(staging)
-        if not target.exists():
-            staging.rename(target)  # same filesystem: atomic
-            return
-        new_files = {path.name for path in staging.iterdir()}
-        for name in new_files:
-            os.replace(staging / name, target / name)
-        for path in target.iterdir():
-            if SHARD_FILE.fullmatch(path.name) and path.name not in new_files:
-                path.unlink()  # a shard of an earlier save, as transformers removes it
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    """Call `save(staging_folder)` (transformers' save_pretrained), add FAT5's code, then put the result at
+    `save_directory` in one atomic step (`atomic_folder.StagedFolder`): at every instant the folder holds the
+    complete old save or the complete new one, never new weights beside an old config. Files of the old folder
+    that the new save does not write are kept, except weights (an earlier save's shards or unsharded file, which
+    would otherwise load instead of the new weights). Staging folders of killed saves are removed. On any error
+    `save_directory` is left as it was. Files and folders get the umask's permissions."""
+    with StagedFolder(save_directory) as staging:
+        save(staging.path)
+        write_remote_code(staging.path)
+        staging.commit(keep=lambda name: not WEIGHT_FILE.fullmatch(name))

@@ -1,22 +1,22 @@
 """Classification as text (MNLI-style premise / hypothesis -> entailment | neutral | contradiction), with either
 head: `--head text` trains the encoder-decoder to write the label (Seq2SeqTrainer, exact-match accuracy; the saved
 folder serves `pipeline("text2text-generation", trust_remote_code=True)`); `--head classifier` trains
-FAT5ForSequenceClassification (encoder, mean pooling, linear head) on the same data for comparison.
+FAT5ForSequenceClassification (encoder, mean pooling, linear head) on the same data for comparison. With
+--do_predict, OUTPUT_DIR/predictions.csv holds (source, reference, prediction) for both heads.
 
     python -m recipes.classify --model_name_or_path ./fat5-demo --output_dir out/nli --head text \\
         --train_file train.jsonl --validation_file dev.jsonl --do_train --do_eval [--lora]
 
-Labels are the label names, or integers indexing --classes (as GLUE's MNLI stores them).
+A label is a name in --classes; a JSON integer (or, in a CSV, a number) indexes --classes, as GLUE's MNLI stores
+them; JSON true / false are the names "true" / "false". Anything else is an error.
 """
 
+import json
 from dataclasses import dataclass, field
 
-import numpy as np
-from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding, Seq2SeqTrainingArguments, Trainer
-
-from recipes.common import DataArguments, ModelArguments, RecipeError, finish
-from recipes.common import exact_match, load_splits, load_tokenizer, main_wrapper, parse_args, require_columns
-from recipes.common import run_seq2seq, save, setup, texts, wrap_lora
+from convert.cli import CommandError, exit_with
+from recipes.arguments import DataArguments, Recipe, recipe_main
+from recipes.data import exact_match
 
 
 @dataclass
@@ -28,79 +28,52 @@ class ClassificationArguments(DataArguments):
     hypothesis_column: str = field(default="hypothesis", metadata={"help": "column with the hypothesis"})
     label_column: str = field(default="label", metadata={"help": "column with the label"})
     classes: str = field(default="entailment,neutral,contradiction",
-                             metadata={"help": "comma-separated label names, in the order of integer labels"})
+                         metadata={"help": "comma-separated label names, in the order of integer labels"})
     max_target_length: int = field(default=16, metadata={"help": "longest label name allowed, in tokens"})
 
-
-def prompt(premise, hypothesis):
-    return f"premise: {premise} hypothesis: {hypothesis}"
-
-
-def examples(dataset, split, data_args):
-    """(prompts, label names) of a split; an unknown label is an error."""
-    names = [name.strip() for name in data_args.classes.split(",")]
-    require_columns(dataset, [data_args.premise_column, data_args.hypothesis_column, data_args.label_column], split)
-    premises = texts(dataset, data_args.premise_column, split)
-    hypotheses = texts(dataset, data_args.hypothesis_column, split)
-    labels = []
-    for row, label in enumerate(dataset[data_args.label_column]):
-        label = label.strip() if isinstance(label, str) else label
-        if isinstance(label, str) and label.isdigit():
-            label = int(label)
-        if isinstance(label, int) and 0 <= label < len(names):
-            label = names[label]
-        if label not in names:
-            raise RecipeError(f"{split} row {row}: label {label!r} is not one of --classes {','.join(names)}")
-        labels.append(label)
-    return [prompt(p, h) for p, h in zip(premises, hypotheses)], labels, names
+    def __post_init__(self):
+        super().__post_init__()
+        names = class_names(self)
+        if "" in names or len(set(names)) != len(names):
+            raise CommandError(f"--classes {self.classes}: names must be non-empty and distinct")
 
 
-def train_classifier(model_args, data_args, training_args):
-    resume = setup(training_args)
-    tokenizer = load_tokenizer(model_args)
-    splits = load_splits(data_args, training_args)
-    tokenized = {}
-    for split, dataset in splits.items():
-        prompts, labels, names = examples(dataset, split, data_args)
-        encoded = tokenizer(prompts, max_length=data_args.max_source_length, truncation=True)
-        tokenized[split] = dataset.from_dict({**encoded, "labels": [names.index(label) for label in labels]})
-    model = AutoModelForSequenceClassification.from_pretrained(
-        model_args.model_name_or_path, trust_remote_code=True, num_labels=len(names),
-        id2label=dict(enumerate(names)), label2id={name: i for i, name in enumerate(names)})
-    model = wrap_lora(model, model_args, training_args, task_type="SEQ_CLS",
-                      modules_to_save=["classification_head"])
-
-    def accuracy(eval_prediction):
-        return {"accuracy": float(np.mean(eval_prediction.predictions.argmax(-1) == eval_prediction.label_ids))}
-
-    trainer = Trainer(model=model, args=training_args, train_dataset=tokenized.get("train"),
-                      eval_dataset=tokenized.get("validation"), processing_class=tokenizer,
-                      data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8),
-                      compute_metrics=accuracy)
-    if training_args.do_train:
-        finish(trainer, "train", trainer.train(resume_from_checkpoint=resume).metrics)
-        save(trainer, tokenizer, model_args, training_args)
-    if training_args.do_eval:
-        finish(trainer, "eval", trainer.evaluate())
-    if training_args.do_predict:
-        finish(trainer, "test", trainer.predict(tokenized["test"], metric_key_prefix="test").metrics)
-    return trainer
+def class_names(data_args):
+    return [name.strip() for name in data_args.classes.split(",")]
 
 
-@main_wrapper
-def main(argv=None):
-    model_args, data_args, training_args = parse_args(
-        (ModelArguments, ClassificationArguments, Seq2SeqTrainingArguments), argv, predict_with_generate=True)
-    if data_args.head == "classifier":
-        training_args.predict_with_generate = False
-        return train_classifier(model_args, data_args, training_args)
+def label_name(value, names, table, row):
+    """A label as one of the class names (see the module docstring)."""
+    if isinstance(value, bool):  # tested before int: True is an int to Python, not class 1
+        value = json.dumps(value)
+    elif isinstance(value, str):
+        value = value.strip()
+        if not table.typed and value.isdigit() and value not in names:
+            value = int(value)
+    if isinstance(value, int) and 0 <= value < len(names):
+        return names[value]
+    if isinstance(value, str) and value in names:
+        return value
+    raise CommandError(f"{table.where(row)}: label {value!r} is not one of --classes {','.join(names)} "
+                       f"(nor an index into them)")
 
-    def build_pairs(dataset, split):
-        prompts, labels, _ = examples(dataset, split, data_args)
-        return prompts, labels
 
-    return run_seq2seq(model_args, data_args, training_args, build_pairs, exact_match)
+def prompts_and_labels(table, data_args):
+    names = class_names(data_args)
+    premises = table.texts(data_args.premise_column, "--premise_column")
+    hypotheses = table.texts(data_args.hypothesis_column, "--hypothesis_column")
+    labels = [label_name(value, names, table, row)
+              for row, value in enumerate(table.column(data_args.label_column, "--label_column"))]
+    return [f"premise: {p} hypothesis: {h}" for p, h in zip(premises, hypotheses, strict=True)], labels
 
+
+def classifier_classes(data_args):
+    return class_names(data_args) if data_args.head == "classifier" else None
+
+
+RECIPE = Recipe(examples=prompts_and_labels, score=exact_match, classes=classifier_classes,
+                data_arguments=ClassificationArguments)
+main = recipe_main(RECIPE)
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

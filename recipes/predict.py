@@ -10,14 +10,10 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
-from transformers import HfArgumentParser, pipeline
-
-from recipes.common import RecipeError, exact_match, main_wrapper, read_table, require_columns, texts
-from recipes.common import write_predictions
-
-logger = logging.getLogger("recipes")
+from convert.cli import CommandError, error_line, exit_with, run
+from recipes.arguments import require_positive
+from recipes.data import exact_match, read_table, write_predictions
 
 
 @dataclass
@@ -26,45 +22,82 @@ class PredictArguments:
     input_file: str = field(metadata={"help": ".csv, .tsv, .json or .jsonl with the inputs"})
     output_file: str = field(metadata={"help": "CSV to write (source[, reference], prediction)"})
     source_column: str = field(default="source", metadata={"help": "column with the input text"})
-    reference_column: Optional[str] = field(default=None, metadata={"help": "column with expected outputs: "
-                                                                            "adds it to the CSV and scores accuracy"})
+    reference_column: str | None = field(default=None, metadata={"help": "column with expected outputs: adds it "
+                                                                          "to the CSV and scores accuracy"})
     source_prefix: str = field(default="", metadata={"help": "text put before every input"})
     num_beams: int = field(default=1, metadata={"help": "beam search width (1 = greedy)"})
     max_new_tokens: int = field(default=128, metadata={"help": "most tokens generated per input"})
     length_penalty: float = field(default=1.0, metadata={"help": "beam search: > 1 favours longer outputs"})
     batch_size: int = field(default=16, metadata={"help": "inputs per generate() call"})
-    device: Optional[str] = field(default=None, metadata={"help": "cpu, cuda, cuda:1, ... (default: the pipeline's)"})
-    max_predict_samples: Optional[int] = field(default=None, metadata={"help": "use only the first N rows"})
+    device: str | None = field(default=None, metadata={"help": "cpu, cuda, cuda:1, ... (default: the pipeline's)"})
+    max_predict_samples: int | None = field(default=None, metadata={"help": "use only the first N rows"})
+
+    def __post_init__(self):
+        require_positive(self, "num_beams", "max_new_tokens", "batch_size", "max_predict_samples")
+        if self.length_penalty != 1.0 and self.num_beams == 1:
+            raise CommandError("--length_penalty has no effect without beam search (--num_beams 2 or more)")
+        model = Path(self.model)
+        if (model / "adapter_config.json").is_file():
+            raise CommandError(f"{model} holds a LoRA adapter, not a model: train with --merge_lora and predict "
+                               f"from OUTPUT_DIR/merged")
+        if not (model / "config.json").is_file():
+            raise CommandError(f"--model {model}: no config.json, not a saved model folder")
+        output = Path(self.output_file)
+        if output.is_dir():
+            raise CommandError(f"--output_file {output} is a folder; name a file")
+        if output.resolve() == Path(self.input_file).resolve():
+            raise CommandError(f"--output_file {output} is the --input_file; writing it would destroy the inputs")
 
 
-@main_wrapper
-def main(argv=None):
-    (args,) = HfArgumentParser(PredictArguments).parse_args_into_dataclasses(argv)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    if (Path(args.model) / "adapter_config.json").is_file():
-        raise RecipeError(f"{args.model} holds a LoRA adapter, not a model: train with --merge_lora and predict "
-                          f"from OUTPUT_DIR/merged")
-    if not (Path(args.model) / "config.json").is_file():
-        raise RecipeError(f"{args.model}: no config.json, not a saved model folder")
-    dataset = read_table(args.input_file)
+def check_device(device):
+    """--device names a device this machine has (the pipeline would fail only after loading the model)."""
+    import torch
+
+    try:
+        wanted = torch.device(device)
+    except RuntimeError as error:
+        raise CommandError(f"--device {device}: {error_line(error)}") from None
+    if wanted.type == "cpu":
+        return
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None or accelerator.type != wanted.type:
+        raise CommandError(f"--device {device}: this machine has no {wanted.type} device (use --device cpu)")
+    if wanted.index is not None and wanted.index >= torch.accelerator.device_count():
+        raise CommandError(f"--device {device}: this machine has {torch.accelerator.device_count()} "
+                           f"{wanted.type} device(s)")
+
+
+def predict(argv, progress):
+    from recipes.runner import parse_flags  # heavy imports, once Ctrl-C is handled
+
+    (args,) = parse_flags((PredictArguments,), argv)
+    table = read_table(args.input_file)
     if args.max_predict_samples is not None:
-        dataset = dataset.select(range(min(args.max_predict_samples, len(dataset))))
-    columns = [args.source_column] + ([args.reference_column] if args.reference_column else [])
-    require_columns(dataset, columns, args.input_file)
-    sources = texts(dataset, args.source_column, args.input_file)
+        table = table.head(args.max_predict_samples)
+    sources = table.texts(args.source_column, "--source_column")
+    columns = {"source": sources}
+    if args.reference_column:
+        columns["reference"] = [text.strip() for text in table.texts(args.reference_column, "--reference_column")]
+    if args.device is not None:
+        check_device(args.device)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+
+    from transformers import pipeline
+
     generator = pipeline("text2text-generation", model=args.model, trust_remote_code=True, device=args.device)
     outputs = generator([args.source_prefix + text for text in sources], batch_size=args.batch_size,
                         num_beams=args.num_beams, max_new_tokens=args.max_new_tokens,
                         length_penalty=args.length_penalty)
     predictions = [output["generated_text"].strip() for output in outputs]
-    columns = {"source": sources}
     if args.reference_column:
-        columns["reference"] = [text.strip() for text in texts(dataset, args.reference_column, args.input_file)]
-        metrics = exact_match(predictions, columns["reference"])
-        print(json.dumps(metrics))
+        print(json.dumps(exact_match(predictions, columns["reference"])))
     write_predictions(args.output_file, {**columns, "prediction": predictions})
     return predictions
 
 
+def main(argv=None):
+    return run(predict, argv)
+
+
 if __name__ == "__main__":
-    main()
+    exit_with(main)

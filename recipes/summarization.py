@@ -11,12 +11,8 @@ recipes/configs/fsdp.yaml -m recipes.summarization ...`. Seq2SeqTrainer generate
 
 from dataclasses import dataclass, field
 
-import numpy as np
-from rouge_score import rouge_scorer
-from transformers import Seq2SeqTrainingArguments
-
-from recipes.common import DataArguments, ModelArguments, main_wrapper, parse_args
-from recipes.common import run_seq2seq, source_target_pairs
+from convert.cli import exit_with
+from recipes.arguments import DataArguments, Recipe, recipe_main
 
 ROUGE_TYPES = ["rouge1", "rouge2", "rougeL", "rougeLsum"]
 
@@ -29,17 +25,16 @@ class SummarizationDataArguments(DataArguments):
 
 def rouge(predictions, references):
     """Mean ROUGE F1 (x100). rougeLsum splits summaries into sentences at newlines."""
+    from rouge_score import rouge_scorer
+
     scorer = rouge_scorer.RougeScorer(ROUGE_TYPES, use_stemmer=True)
-    scores = [scorer.score(reference, prediction) for prediction, reference in zip(predictions, references)]
-    return {name: 100 * float(np.mean([score[name].fmeasure for score in scores])) for name in ROUGE_TYPES}
+    scores = [scorer.score(reference, prediction)
+              for prediction, reference in zip(predictions, references, strict=True)]
+    return {name: 100 * sum(score[name].fmeasure for score in scores) / len(scores) for name in ROUGE_TYPES}
 
 
-@main_wrapper
-def main(argv=None):
-    model_args, data_args, training_args = parse_args(
-        (ModelArguments, SummarizationDataArguments, Seq2SeqTrainingArguments), argv, predict_with_generate=True)
-    return run_seq2seq(model_args, data_args, training_args, source_target_pairs(data_args), rouge)
-
+RECIPE = Recipe(score=rouge, data_arguments=SummarizationDataArguments)
+main = recipe_main(RECIPE)
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

@@ -1,29 +1,24 @@
-"""Translation (mT5-style): fine-tune on a parallel corpus, score with sacreBLEU (BLEU and chrF), write the test
-predictions to OUTPUT_DIR/predictions.csv (source, reference, prediction).
+"""Translation (or any text-to-text pairs): Seq2SeqTrainer scored with sacreBLEU's BLEU and chrF; with
+--do_predict, OUTPUT_DIR/predictions.csv holds (source, reference, prediction).
 
     python -m recipes.translation --model_name_or_path ./fat5-demo --output_dir out/translation \\
         --train_file train.tsv --validation_file dev.tsv --test_file test.tsv \\
         --source_column en --target_column de --do_train --do_eval --do_predict [--lora] [any Trainer flag]
 """
 
-import sacrebleu
-from transformers import Seq2SeqTrainingArguments
-
-from recipes.common import DataArguments, ModelArguments, main_wrapper, parse_args
-from recipes.common import run_seq2seq, source_target_pairs
+from convert.cli import exit_with
+from recipes.arguments import Recipe, recipe_main
 
 
 def bleu_chrf(predictions, references):
+    import sacrebleu
+
     return {"bleu": sacrebleu.corpus_bleu(predictions, [references]).score,
             "chrf": sacrebleu.corpus_chrf(predictions, [references]).score}
 
 
-@main_wrapper
-def main(argv=None):
-    model_args, data_args, training_args = parse_args(
-        (ModelArguments, DataArguments, Seq2SeqTrainingArguments), argv, predict_with_generate=True)
-    return run_seq2seq(model_args, data_args, training_args, source_target_pairs(data_args), bleu_chrf)
-
+RECIPE = Recipe(score=bleu_chrf)
+main = recipe_main(RECIPE)
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

@@ -226,3 +226,8 @@ def test_custom_pipelines_entry_is_what_transformers_writes(checkpoint, tmp_path
         expected[task].pop("tf")
     assert written == expected
     assert (tmp_path / PIPELINE_FILE.name).read_text() == PIPELINE_FILE.read_text()
+
+
+def test_empty_list_gives_empty_list(in_process_pipe):
+    # As transformers' own pipelines do: no inputs, no outputs (rather than an error from deep inside).
+    assert in_process_pipe([], **GREEDY) == []

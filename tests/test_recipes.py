@@ -7,9 +7,12 @@ where this repository cannot be imported, and bad input ends with one error line
 
 import csv
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoModelForSequenceClassificati
 
 from isolated import run_isolated
 from recipes import classify, predict, summarization, train, translation
+from recipes.runner import fine_tune
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "recipes" / "configs"
@@ -27,7 +31,7 @@ VERBS = "sat ran saw ate sang slept".split()
 PLACES = "mat box tree house road hill pond".split()
 WORDS = SUBJECTS + VERBS + PLACES + "the a on in under by near red big small old happy little blue green".split()
 # A made-up "language": every word replaced by another one of the vocabulary.
-CIPHER = dict(zip(WORDS, random.Random(1).sample(WORDS, len(WORDS))))
+CIPHER = dict(zip(WORDS, random.Random(1).sample(WORDS, len(WORDS)), strict=True))
 # Few rows, several epochs: enough for the loss to fall in a handful of steps.
 TRAINER_FLAGS = ["--report_to", "none", "--logging_steps", "1", "--per_device_train_batch_size", "8",
                  "--per_device_eval_batch_size", "16", "--learning_rate", "3e-3", "--seed", "0",
@@ -128,33 +132,39 @@ def metrics(output_dir, split):
     return json.loads((Path(output_dir) / f"{split}_results.json").read_text())
 
 
+# (recipe module, flags, flags that take effect only with --do_eval / --do_predict): a flag without effect is an
+# error.
 RECIPES = {
-    "translation": lambda model, data, out: (translation.main, [
+    "translation": lambda model, data, out: (translation, [
         "--model_name_or_path", model, "--output_dir", out, "--train_file", data["translation_train"],
+        "--source_column", "en", "--target_column", "xx", "--max_target_length", "16"], [
         "--validation_file", data["translation_dev"], "--test_file", data["translation_test"],
-        "--source_column", "en", "--target_column", "xx", "--max_target_length", "16",
         "--generation_max_length", "16"]),
-    "summarization": lambda model, data, out: (summarization.main, [
+    "summarization": lambda model, data, out: (summarization, [
         "--model_name_or_path", model, "--output_dir", out, "--train_file", data["summary_train"],
+        "--source_prefix", "summarize: ", "--max_target_length", "16"], [
         "--validation_file", data["summary_dev"], "--test_file", data["summary_test"],
-        "--source_prefix", "summarize: ", "--max_target_length", "16", "--generation_max_length", "16"]),
-    "train": lambda model, data, out: (train.main, [
-        "--model_name_or_path", model, "--output_dir", out, "--train_file", data["double_train"],
+        "--generation_max_length", "16"]),
+    "train": lambda model, data, out: (train, [
+        "--model_name_or_path", model, "--output_dir", out, "--train_file", data["double_train"]], [
         "--validation_file", data["double_dev"]]),
-    "classify_text": lambda model, data, out: (classify.main, [
-        "--model_name_or_path", model, "--output_dir", out, "--head", "text", "--train_file", data["nli_train"],
+    "classify_text": lambda model, data, out: (classify, [
+        "--model_name_or_path", model, "--output_dir", out, "--head", "text", "--train_file", data["nli_train"]], [
         "--validation_file", data["nli_dev"], "--test_file", data["nli_test"], "--generation_max_length", "12"]),
-    "classify_classifier": lambda model, data, out: (classify.main, [
+    "classify_classifier": lambda model, data, out: (classify, [
         "--model_name_or_path", model, "--output_dir", out, "--head", "classifier",
-        "--train_file", data["nli_train"], "--validation_file", data["nli_dev"], "--test_file", data["nli_test"]]),
+        "--train_file", data["nli_train"]], ["--validation_file", data["nli_dev"], "--test_file", data["nli_test"]]),
 }
 
 
 def run_recipe(name, demo_fat5, data, out, *flags, do=("--do_train", "--do_eval", "--do_predict")):
-    main, args = RECIPES[name](demo_fat5, data, str(out))
+    recipe, args, evaluation_args = RECIPES[name](demo_fat5, data, str(out))
     if name == "train":
         do = [flag for flag in do if flag != "--do_predict"]
-    return main([*args, *TRAINER_FLAGS, *do, *flags])
+        evaluation_args = evaluation_args if "--do_eval" in do else []
+    elif "--do_eval" not in do:
+        evaluation_args = []
+    return fine_tune(recipe.RECIPE, [*args, *evaluation_args, *TRAINER_FLAGS, *do, *flags])
 
 
 def test_translation_bleu_chrf_and_predictions_csv(demo_fat5, data, tmp_path):
@@ -236,6 +246,12 @@ def test_classification_both_heads_accuracy_in_fresh_process(demo_fat5, data, tm
     rows = [json.loads(line) for line in Path(data["nli_test"]).read_text().splitlines()]
     # The saved folder, loaded by a user's pipeline elsewhere, scores what the Trainer measured.
     assert isolated_accuracy(str(tmp_path / "out"), rows, task, tmp_path) == pytest.approx(test_accuracy)
+    # Both heads write their test predictions as label names.
+    with open(tmp_path / "out" / "predictions.csv", newline="") as f:
+        predictions = list(csv.DictReader(f))
+    assert [row["reference"] for row in predictions] == [row["label"] for row in rows]
+    accuracy = sum(row["prediction"] == row["reference"] for row in predictions) / len(rows)
+    assert accuracy == pytest.approx(test_accuracy)
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
@@ -283,9 +299,7 @@ def test_resume_from_last_checkpoint(demo_fat5, data, tmp_path):
 
 
 def error_line(capsys, main, argv):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
+    assert main(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines and lines[-1].startswith("error: "), lines
     return lines[-1]
@@ -314,8 +328,8 @@ def test_bad_input_one_error_line(demo_fat5, data, tmp_path, capsys):
     occupied = tmp_path / "occupied"
     occupied.mkdir()
     (occupied / "keep.txt").write_text("a user's file")
-    assert "not empty" in error_line(capsys, train.main, [*base, "--output_dir", str(occupied), "--train_file",
-                                                          data["double_train"]])
+    assert "holds files that are not a FAT5 run's" in error_line(capsys, train.main, [
+        *base, "--output_dir", str(occupied), "--train_file", data["double_train"]])
     assert (occupied / "keep.txt").read_text() == "a user's file"
     adapter = tmp_path / "adapter"
     adapter.mkdir()
@@ -350,3 +364,66 @@ def test_deepspeed_and_fsdp_configs():
     fsdp = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())
     assert fsdp["distributed_type"] == "FSDP"
     assert fsdp["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] in FAT5PreTrainedModel._no_split_modules
+
+
+def test_generation_max_length_holds_over_the_models_max_new_tokens(demo_fat5, data, tmp_path):
+    """The demo model's generation config sets max_new_tokens=32, which generate() prefers to the max_length
+    Seq2SeqTrainer passes: --generation_max_length must still bound what is generated."""
+    tokenizer = AutoTokenizer.from_pretrained(demo_fat5, trust_remote_code=True)
+    lengths = {}
+    for name, flags in {"default": [], "bounded": ["--generation_max_length", "3"]}.items():
+        out = tmp_path / name
+        fine_tune(translation.RECIPE, ["--model_name_or_path", demo_fat5, "--output_dir", str(out), "--test_file",
+                                       data["translation_test"], "--source_column", "en", "--target_column", "xx",
+                                       "--do_predict", "--report_to", "none", *flags])
+        with open(out / "predictions.csv", newline="") as f:
+            lengths[name] = [len(tokenizer(row["prediction"], add_special_tokens=False).input_ids)
+                             for row in csv.DictReader(f)]
+    assert max(lengths["default"]) > 2, lengths
+    # max_length counts the decoder start token.
+    assert max(lengths["bounded"]) <= 2, lengths
+
+
+def test_ctrl_c_and_the_run_folder(demo_fat5, data, tmp_path, capsys):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it, data-loader workers included) ends a
+    training run with one `interrupted:` line saying what the output folder holds, exit status 130. While it runs,
+    a second run on its folder is refused; afterwards, a new run is refused unless it resumes or overwrites, and
+    `--resume_from_checkpoint last` never picks an incomplete checkpoint."""
+    out = tmp_path / "out"
+    base = ["--model_name_or_path", demo_fat5, "--output_dir", str(out), "--train_file", data["double_train"],
+            "--do_train", "--save_strategy", "steps", "--save_steps", "1", "--report_to", "none"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "recipes.train", *base, "--max_steps", "100000", "--dataloader_num_workers", "2"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (out / "checkpoint-2").is_dir() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        # Even a run that would resume it may not write into a folder in use.
+        assert "is in use by another run" in error_line(capsys, train.main, [*base, "--max_steps", "3",
+                                                                             "--resume_from_checkpoint", "last"])
+        os.killpg(process.pid, signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    last_line = stderr.strip().splitlines()[-1]
+    assert last_line.startswith(f"interrupted: {out} holds checkpoint-"), last_line
+    assert "--resume_from_checkpoint last" in last_line, last_line
+    steps = sorted(int(path.name.split("-")[1]) for path in out.glob("checkpoint-*"))
+    assert steps and steps[-1] >= 2
+
+    assert "holds another run's results" in error_line(capsys, train.main, [*base, "--max_steps", "1"])
+    # A checkpoint that is not complete (its save was interrupted) is never resumed from.
+    incomplete = out / f"checkpoint-{steps[-1] + 50}"
+    incomplete.mkdir()
+    (incomplete / "config.json").write_text("{}")
+    resumed = fine_tune(train.RECIPE, [*base, "--max_steps", str(steps[-1] + 1), "--resume_from_checkpoint", "last"])
+    assert resumed.state.global_step == steps[-1] + 1
+    assert not incomplete.exists()
+    overwritten = fine_tune(train.RECIPE, [*base, "--max_steps", "1", "--overwrite_output_dir"])
+    assert overwritten.state.global_step == 1
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-1"]

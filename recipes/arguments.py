@@ -1,0 +1,109 @@
+"""The recipes' own flags, what a recipe adds to the one runner (recipes/runner.py), and their entry point.
+
+Every recipe parses these dataclasses plus transformers' `Seq2SeqTrainingArguments` (or `TrainingArguments`) with
+`HfArgumentParser`, so all Trainer flags (--output_dir, --max_steps, --bf16, --gradient_checkpointing,
+--deepspeed, --fsdp, ...) pass through unchanged.
+
+Only the standard library is imported here: a recipe's module imports this one, and torch, transformers and
+datasets load inside `convert.cli.run`, where Ctrl-C is handled.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+
+from convert.cli import CommandError, run
+
+# FAT5's parameter names are T5's: attention projections and (gated) feed-forward layers.
+FAT5_LORA_TARGETS = "q,k,v,o,wi_0,wi_1,wo"
+
+
+def require_positive(arguments, *names):
+    """Flags that count something (beams, tokens, rows) must count at least one; None means "not given"."""
+    for name in names:
+        value = getattr(arguments, name)
+        if value is not None and value < 1:
+            raise CommandError(f"--{name} {value}: must be at least 1")
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str = field(metadata={"help": "FAT5 checkpoint folder or Hub id (loaded with "
+                                                      "trust_remote_code=True)"})
+    lora: bool = field(default=False, metadata={"help": "train a LoRA adapter (PEFT) instead of all weights"})
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank"})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator"})
+    lora_dropout: float = field(default=0.05, metadata={"help": "dropout on the LoRA branch"})
+    lora_target_modules: str = field(default=FAT5_LORA_TARGETS,
+                                     metadata={"help": "comma-separated module names to adapt"})
+    merge_lora: bool = field(default=False, metadata={"help": "also save the base model with the adapter merged "
+                                                              "into OUTPUT_DIR/merged"})
+
+    def __post_init__(self):
+        require_positive(self, "lora_r", "lora_alpha")
+        if not 0 <= self.lora_dropout < 1:
+            raise CommandError(f"--lora_dropout {self.lora_dropout}: must be in [0, 1)")
+        if not self.lora:
+            given = [f"--{flag.name}" for flag in fields(self)
+                     if flag.name.startswith(("lora_", "merge_lora")) and getattr(self, flag.name) != flag.default]
+            if given:
+                raise CommandError(f"{', '.join(given)} has no effect without --lora")
+
+
+@dataclass
+class DataArguments:
+    train_file: str | None = field(default=None, metadata={"help": "training data: .csv, .tsv, .json or .jsonl"})
+    validation_file: str | None = field(default=None, metadata={"help": "evaluation data (same formats)"})
+    test_file: str | None = field(default=None, metadata={"help": "data to predict (same formats)"})
+    dataset_name: str | None = field(default=None, metadata={"help": "a `datasets` name instead of files"})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "the dataset's configuration"})
+    source_column: str = field(default="source", metadata={"help": "column with the input text"})
+    target_column: str = field(default="target", metadata={"help": "column with the output text"})
+    source_prefix: str = field(default="", metadata={"help": "text put before every input, e.g. 'summarize: '"})
+    max_source_length: int = field(default=512, metadata={"help": "inputs are truncated to this many tokens"})
+    max_target_length: int = field(default=128, metadata={"help": "longest target allowed, in tokens (longer "
+                                                                  "targets are an error, not truncated)"})
+    max_train_samples: int | None = field(default=None, metadata={"help": "use only the first N training rows"})
+    max_eval_samples: int | None = field(default=None, metadata={"help": "use only the first N eval rows"})
+    max_predict_samples: int | None = field(default=None, metadata={"help": "use only the first N test rows"})
+
+    def __post_init__(self):
+        require_positive(self, "max_source_length", "max_target_length", "max_train_samples", "max_eval_samples",
+                         "max_predict_samples")
+        if self.dataset_name and any((self.train_file, self.validation_file, self.test_file)):
+            raise CommandError("--dataset_name and the --*_file flags are exclusive: pass one or the other")
+
+
+def source_target(table, data_args):
+    """The --source_column and --target_column texts of a split."""
+    return (table.texts(data_args.source_column, "--source_column"),
+            table.texts(data_args.target_column, "--target_column"))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a recipe adds to the runner.
+
+    examples(table, data_args) -> (input texts, target texts) of a split (a recipes.data Table).
+    score(predictions, references) -> {metric: value}, on texts.
+    classes(data_args) -> the label names when the recipe trains a classification head (targets are then one of
+        them), or None when the model writes its targets.
+    seq2seq: Seq2SeqTrainer and its flags, generating for evaluation; False: the plain Trainer, no --do_predict.
+    """
+
+    examples: Callable = source_target
+    score: Callable | None = None
+    classes: Callable | None = None
+    data_arguments: type = DataArguments
+    seq2seq: bool = True
+
+
+def recipe_main(recipe):
+    """The recipe's `main(argv=None)`: the runner under convert/cli.py's convention, returning the exit status."""
+    def command(argv, progress):
+        from recipes.runner import fine_tune  # heavy imports, once Ctrl-C is handled
+
+        fine_tune(recipe, argv, progress)
+
+    def main(argv=None):
+        return run(command, argv)
+    return main

@@ -1,0 +1,317 @@
+"""The one runner of the fine-tuning recipes: flags, data, tokenizer, model (+ LoRA), Trainer, train / evaluate /
+predict, save. A recipe (recipes/arguments.py `Recipe`) adds only how its rows become (input, target) texts, its
+metric and, for a classification head, the class names.
+
+Every input is read and checked before the model loads, so bad input costs seconds and ends with one `error:` line.
+"""
+
+import json
+import logging
+import sys
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import numpy as np
+import transformers
+from transformers import (
+    AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorForSeq2Seq,
+    DataCollatorWithPadding,
+    HfArgumentParser,
+    Seq2SeqTrainer,
+    Seq2SeqTrainingArguments,
+    Trainer,
+    TrainingArguments,
+)
+
+from convert.cli import CommandError, Progress, error_line
+from fat5.training.run_folder import OverwriteOutputDirArgument, RunFolder, RunFolderTrainerMixin
+from recipes.arguments import ModelArguments
+from recipes.data import load_dataset_splits, read_table, write_predictions
+
+logger = logging.getLogger("recipes")
+SPLITS = {"train": "do_train", "validation": "do_eval", "test": "do_predict"}
+FILE_FLAGS = {"train": "train_file", "validation": "validation_file", "test": "test_file"}
+LIMIT_FLAGS = {"train": "max_train_samples", "validation": "max_eval_samples", "test": "max_predict_samples"}
+GENERATION_FLAGS = ("generation_max_length", "generation_num_beams", "generation_config")
+
+
+@dataclass
+class RecipeSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, OverwriteOutputDirArgument):
+    pass
+
+
+@dataclass
+class RecipeTrainingArguments(TrainingArguments, OverwriteOutputDirArgument):
+    pass
+
+
+class RecipeTrainer(RunFolderTrainerMixin, Trainer):
+    """Trainer whose checkpoints are atomic and belong to this run (fat5/training/run_folder.py)."""
+
+
+class RecipeParser(HfArgumentParser):
+    def error(self, message):
+        # One `error:` line from convert.cli.run rather than argparse's usage dump.
+        raise CommandError(f"{message} (see --help)")
+
+
+def parse_flags(dataclass_types, argv, **defaults):
+    """HfArgumentParser over the dataclasses (or one .json file of flags); `defaults` overrides field defaults."""
+    parser = RecipeParser(dataclass_types)
+    parser.set_defaults(**defaults)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if len(argv) == 1 and argv[0].endswith(".json"):
+            return parser.parse_dict({**defaults, **json.loads(Path(argv[0]).read_text(encoding="utf-8"))})
+        return parser.parse_args_into_dataclasses(argv)
+    except ValueError as error:  # unknown flags, and TrainingArguments' own checks
+        raise CommandError(error_line(error)) from None
+
+
+def check_flags(recipe, data_args, training_args, classes):
+    """A flag that would have no effect in this combination is an error, not silently ignored."""
+    if not training_args.do_train:
+        for flag in ("resume_from_checkpoint", "overwrite_output_dir"):
+            if getattr(training_args, flag):
+                raise CommandError(f"--{flag} has no effect without --do_train")
+    if not recipe.seq2seq and training_args.do_predict:
+        raise CommandError("--do_predict: this recipe does not predict; run recipes.predict on the saved folder")
+    for split, do_flag in SPLITS.items():
+        if getattr(training_args, do_flag):
+            continue
+        for flag in (FILE_FLAGS[split], LIMIT_FLAGS[split]):
+            if getattr(data_args, flag) is not None:
+                raise CommandError(f"--{flag} has no effect without --{do_flag}")
+    if not recipe.seq2seq:
+        return
+    generates = classes is None and training_args.predict_with_generate
+    evaluates = training_args.do_eval or training_args.do_predict
+    given = [f"--{flag}" for flag in GENERATION_FLAGS if getattr(training_args, flag) is not None]
+    if given and not (generates and evaluates):
+        reason = "the classifier head does not generate" if classes is not None else \
+            "nothing is generated without --do_eval or --do_predict (and --predict_with_generate)"
+        raise CommandError(f"{', '.join(given)} has no effect: {reason}")
+
+
+def load_splits(data_args, training_args):
+    """{split: Table} for the splits the run needs, from files or a `datasets` name, cut to --max_*_samples."""
+    wanted = [split for split, do_flag in SPLITS.items() if getattr(training_args, do_flag)]
+    if not wanted:
+        raise CommandError("nothing to do: pass --do_train, --do_eval and/or --do_predict")
+    if data_args.dataset_name:
+        tables = load_dataset_splits(data_args.dataset_name, data_args.dataset_config_name, wanted)
+    else:
+        tables = {}
+        for split in wanted:
+            path = getattr(data_args, FILE_FLAGS[split])
+            if path is None:
+                raise CommandError(f"--{SPLITS[split]} needs {split} data: pass --{FILE_FLAGS[split]}")
+            tables[split] = read_table(path)
+    for split, table in tables.items():
+        limit = getattr(data_args, LIMIT_FLAGS[split])
+        tables[split] = table if limit is None else table.head(limit)
+    return tables
+
+
+def setup_logging(training_args):
+    """Console logging as in transformers' examples."""
+    level = logging.INFO if training_args.should_log else logging.WARNING
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=level)
+    transformers.utils.logging.set_verbosity(level)
+    transformers.utils.logging.enable_default_handler()
+    transformers.set_seed(training_args.seed)
+
+
+def encode(tokenizer, inputs, targets, data_args, classes, table):
+    """input_ids / attention_mask (inputs truncated to --max_source_length) and labels: a class index, or the
+    target's tokens. A target longer than --max_target_length is an error: truncating it would teach the model
+    to stop mid-answer."""
+    encoded = tokenizer([data_args.source_prefix + text for text in inputs], max_length=data_args.max_source_length,
+                        truncation=True)
+    if classes is not None:
+        return datasets.Dataset.from_dict({**encoded, "labels": [classes.index(target) for target in targets]})
+    labels = tokenizer(text_target=list(targets))["input_ids"]
+    too_long = [row for row, label in enumerate(labels) if len(label) > data_args.max_target_length]
+    if too_long:
+        longest = max(len(label) for label in labels)
+        raise CommandError(f"{table.where(too_long[0])}: target longer than --max_target_length="
+                           f"{data_args.max_target_length} tokens ({len(too_long)} such rows, longest {longest}); "
+                           f"raise the flag")
+    return datasets.Dataset.from_dict({**encoded, "labels": labels})
+
+
+def load_model(model_args, training_args, classes):
+    """The model to fine-tune (with a LoRA adapter on FAT5's projections when --lora)."""
+    if classes is None:
+        model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
+        task_type, modules_to_save = "SEQ_2_SEQ_LM", None
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_args.model_name_or_path, trust_remote_code=True, num_labels=len(classes),
+            id2label=dict(enumerate(classes)), label2id={name: index for index, name in enumerate(classes)})
+        task_type, modules_to_save = "SEQ_CLS", ["classification_head"]
+    if not model_args.lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    if training_args.gradient_checkpointing:
+        # Frozen embeddings give checkpointed blocks inputs without grad; LoRA weights would get none.
+        model.enable_input_require_grads()
+    config = LoraConfig(task_type=task_type, r=model_args.lora_r, lora_alpha=model_args.lora_alpha,
+                        lora_dropout=model_args.lora_dropout, modules_to_save=modules_to_save,
+                        target_modules=[name.strip() for name in model_args.lora_target_modules.split(",")])
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as error:
+        raise CommandError(f"--lora_target_modules {model_args.lora_target_modules}: {error_line(error)}") from None
+    model.print_trainable_parameters()
+    return model
+
+
+class RecipeSeq2SeqTrainer(RunFolderTrainerMixin, Seq2SeqTrainer):
+    """Seq2SeqTrainer with the run folder's checkpoints, whose --generation_max_length holds even when the
+    model's generation config sets max_new_tokens (which generate() would prefer to Seq2SeqTrainer's max_length)."""
+
+    def evaluate(self, *args, **gen_kwargs):
+        return super().evaluate(*args, **self.length_limit(gen_kwargs))
+
+    def predict(self, *args, **gen_kwargs):
+        return super().predict(*args, **self.length_limit(gen_kwargs))
+
+    def length_limit(self, gen_kwargs):
+        if self.args.generation_max_length is None or "max_length" in gen_kwargs or "max_new_tokens" in gen_kwargs:
+            return gen_kwargs
+        # An encoder-decoder's max_length counts the decoder start token.
+        return {**gen_kwargs, "max_new_tokens": self.args.generation_max_length - 1}
+
+
+def decode(tokenizer, ids):
+    """Token ids (padded with -100 by the Trainer) to stripped strings."""
+    ids = np.where(np.asarray(ids) < 0, tokenizer.pad_token_id, ids)
+    return [text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True)]
+
+
+def output_texts(tokenizer, classes, predictions):
+    """The texts the model produced: generated tokens, or the name of the classifier's most likely class."""
+    if classes is None:
+        return decode(tokenizer, predictions)
+    logits = predictions[0] if isinstance(predictions, tuple) else predictions
+    return [classes[index] for index in np.asarray(logits).argmax(-1)]
+
+
+def text_metrics(tokenizer, classes, score):
+    """A Trainer `compute_metrics` that scores the output texts against the references with `score`."""
+    def compute_metrics(eval_prediction):
+        predictions = output_texts(tokenizer, classes, eval_prediction.predictions)
+        references = decode(tokenizer, eval_prediction.label_ids) if classes is None else \
+            [classes[index] for index in eval_prediction.label_ids]
+        return {name: float(value) for name, value in score(predictions, references).items()}
+    return compute_metrics
+
+
+@contextmanager
+def one_line_worker_errors():
+    """A data-loader worker's exception carries the worker's whole traceback in its message: keep its last line."""
+    try:
+        yield
+    except Exception as error:
+        lines = str(error).strip().splitlines()
+        if not lines or "in DataLoader worker process" not in lines[0]:
+            raise
+        raise CommandError(f"a data-loader worker failed: {lines[-1]} (run with --dataloader_num_workers 0 for "
+                           f"the traceback)") from None
+
+
+@contextmanager
+def progress_bars_closed_on_interrupt(trainer):
+    """Left open, the Trainer's progress bar is drawn again as Python exits, below the `interrupted:` line."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        for callback in trainer.callback_handler.callbacks:
+            for bar in (getattr(callback, "training_bar", None), getattr(callback, "prediction_bar", None)):
+                if bar is not None:
+                    bar.leave = False
+                    bar.close()
+        raise
+
+
+def save(trainer, tokenizer, model_args, training_args):
+    """The model (or LoRA adapter) and tokenizer in --output_dir; with --merge_lora also the merged model in
+    OUTPUT_DIR/merged."""
+    trainer.save_model()
+    if model_args.merge_lora and trainer.is_world_process_zero():
+        merged_dir = Path(training_args.output_dir) / "merged"
+        trainer.model.merge_and_unload().save_pretrained(merged_dir)
+        tokenizer.save_pretrained(merged_dir)
+        logger.info("LoRA merged into %s", merged_dir)
+
+
+def finish(trainer, split, metrics):
+    trainer.log_metrics(split, metrics)
+    trainer.save_metrics(split, metrics)
+
+
+def fine_tune(recipe, argv=None, progress=None):
+    """Run a recipe with command-line flags `argv`; returns the Trainer. A training run owns its --output_dir
+    for its lifetime (fat5/training/run_folder.py); evaluation and prediction only add their results to it."""
+    progress = progress or Progress()
+    training_class = RecipeSeq2SeqTrainingArguments if recipe.seq2seq else RecipeTrainingArguments
+    model_args, data_args, training_args = parse_flags(
+        (ModelArguments, recipe.data_arguments, training_class), argv,
+        **({"predict_with_generate": True} if recipe.seq2seq else {}))
+    classes = recipe.classes(data_args) if recipe.classes else None
+    if classes is not None:
+        training_args.predict_with_generate = False
+    check_flags(recipe, data_args, training_args, classes)
+    tables = load_splits(data_args, training_args)
+    examples = {split: recipe.examples(table, data_args) for split, table in tables.items()}
+    run_folder = None
+    if training_args.do_train:
+        run_folder = RunFolder(training_args.output_dir, training_args.resume_from_checkpoint,
+                               overwrite=training_args.overwrite_output_dir, resume_flag="last")
+    with run_folder.opened(training_args) if run_folder else nullcontext():
+        if run_folder:
+            progress.describe = run_folder.describe
+        return train_evaluate_predict(recipe, model_args, data_args, training_args, classes, tables, examples,
+                                      run_folder)
+
+
+def train_evaluate_predict(recipe, model_args, data_args, training_args, classes, tables, examples, run_folder):
+    setup_logging(training_args)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
+    encoded = {split: encode(tokenizer, *examples[split], data_args, classes, tables[split]) for split in tables}
+    model = load_model(model_args, training_args, classes)
+    generates = recipe.seq2seq and classes is None and training_args.predict_with_generate
+    if generates and training_args.generation_max_length is None and model.generation_config.max_new_tokens is None:
+        training_args.generation_max_length = data_args.max_target_length
+    scores = recipe.score is not None and (generates or classes is not None)
+    if classes is None:
+        collator = DataCollatorForSeq2Seq(tokenizer, model=model, pad_to_multiple_of=8)
+    else:
+        collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
+    trainer = (RecipeSeq2SeqTrainer if recipe.seq2seq else RecipeTrainer)(
+        model=model, args=training_args, train_dataset=encoded.get("train"), eval_dataset=encoded.get("validation"),
+        processing_class=tokenizer, data_collator=collator,
+        compute_metrics=text_metrics(tokenizer, classes, recipe.score) if scores else None)
+    with one_line_worker_errors(), progress_bars_closed_on_interrupt(trainer):
+        if training_args.do_train:
+            finish(trainer, "train", trainer.train(resume_from_checkpoint=run_folder.resume_checkpoint).metrics)
+            save(trainer, tokenizer, model_args, training_args)
+            run_folder.finished = True
+        if training_args.do_eval:
+            finish(trainer, "eval", trainer.evaluate())
+        if training_args.do_predict:
+            output = trainer.predict(encoded["test"], metric_key_prefix="test")
+            finish(trainer, "test", output.metrics)
+            if trainer.is_world_process_zero() and (generates or classes is not None):
+                inputs, references = examples["test"]
+                write_predictions(Path(training_args.output_dir) / "predictions.csv",
+                                  {"source": inputs, "reference": references,
+                                   "prediction": output_texts(tokenizer, classes, output.predictions)})
+    return trainer

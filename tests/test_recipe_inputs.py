@@ -1,0 +1,243 @@
+"""Bad input to the recipes ends with one `error:` line naming the file and line or the flag, exit status 2, before
+any model loads: nothing is silently dropped, merged or re-typed. The model path here does not exist, so a test
+that got as far as loading a model would fail on it instead."""
+
+import json
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from convert.cli import CommandError
+from recipes import classify, predict, summarization, train, translation
+from recipes.data import read_table
+from recipes.runner import one_line_worker_errors
+
+NO_MODEL = "no-model-is-loaded"
+
+
+def error_of(capsys, main, argv):
+    """The one line a command prints on bad input (exit status 2)."""
+    assert main([str(arg) for arg in argv]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def recipe_flags(tmp_path, train_file, *flags):
+    return ["--model_name_or_path", NO_MODEL, "--output_dir", tmp_path / "out", "--report_to", "none",
+            "--do_train", "--train_file", train_file, *flags]
+
+
+def write(path, text, encoding="utf-8"):
+    path.write_bytes(text.encode(encoding))
+    return path
+
+
+@pytest.fixture
+def pairs(tmp_path):
+    return write(tmp_path / "pairs.csv", "source,target\nthe cat,le chat\nthe dog,le chien\n")
+
+
+@pytest.fixture
+def model_folder(tmp_path):
+    """Enough of a saved folder for recipes.predict's checks (the model is never loaded here)."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------------- data files
+
+@pytest.mark.parametrize("text, where, says", [
+    # The quote opened on line 2 is never closed: the rest of the file would be one field.
+    ('source,target\n"the cat,le chat\nthe dog,le chien\n', ":2:", "unclosed quote"),
+    # Closed a line later: rows 2-3 merge into one field; the field count gives it away.
+    ('source,target\n"the cat,le chat\nthe dog,le chien"\nthe owl,le hibou\n', ":2:", "lines 2-3"),
+    ('source,target\n"the cat" sat,le chat\n', ":2:", "not valid CSV"),
+    ('source,target\nthe cat,le chat,extra\nthe dog,le chien\n', ":2:", "3 fields where the header has 2"),
+    ('source,target\nthe cat,le chat\nthe dog\n', ":3:", "1 fields where the header has 2"),
+])
+def test_csv_rows_are_never_merged_or_cut(tmp_path, capsys, text, where, says):
+    data = write(tmp_path / "train.csv", text)
+    line = error_of(capsys, train.main, recipe_flags(tmp_path, data))
+    assert f"{data}{where}" in line and says in line
+
+
+def test_csv_quoted_newlines_and_byte_order_mark_are_read(tmp_path):
+    table = read_table(write(tmp_path / "train.csv", '\ufeffsource,target\n"line one\nline two",x\ny,z\n'))
+    assert table.columns == {"source": ["line one\nline two", "y"], "target": ["x", "z"]}
+    assert [table.where(row) for row in range(2)] == [f"{tmp_path / 'train.csv'}:2", f"{tmp_path / 'train.csv'}:4"]
+
+
+def test_unusual_line_breaks_inside_values_are_kept(tmp_path):
+    text = "a\u2028b\x0cc"
+    jsonl = write(tmp_path / "train.jsonl", json.dumps({"source": text, "target": "x"}, ensure_ascii=False) + "\r\n")
+    assert read_table(jsonl).columns == {"source": [text], "target": ["x"]}
+    csv_file = write(tmp_path / "train.csv", f'source,target\r\n"{text}\r\nd",x\r\ne,f\r\n')
+    assert read_table(csv_file).columns == {"source": [text + "\r\nd", "e"], "target": ["x", "f"]}
+
+
+def test_non_utf8_file(tmp_path, capsys):
+    data = write(tmp_path / "train.csv", "source,target\nthe cat,le chat\nthe café,le café\n", encoding="latin-1")
+    line = error_of(capsys, train.main, recipe_flags(tmp_path, data))
+    assert f"{data}:3: not UTF-8" in line and "0xe9" in line
+
+
+@pytest.mark.parametrize("rows, where, says", [
+    ([{"source": "a", "target": 1}, {"source": "b", "target": "x"}], ":2:", "holds a str ('x') where"),
+    ([{"source": "a", "target": 1}, {"source": "b", "target": 1.5}], ":2:", "holds a float"),
+    ([{"source": "a", "target": "x"}, {"source": "b"}], ":2:", "missing: ['target']"),
+    ([{"source": "a", "target": "x"}, {"source": "b", "target": "y", "note": "z"}], ":2:", "extra: ['note']"),
+])
+def test_jsonl_rows_keep_their_keys_and_types(tmp_path, capsys, rows, where, says):
+    data = write(tmp_path / "train.jsonl", "".join(json.dumps(row) + "\n" for row in rows))
+    line = error_of(capsys, train.main, recipe_flags(tmp_path, data))
+    assert f"{data}{where}" in line and says in line
+
+
+def test_json_list_rows_are_named_by_position(tmp_path, capsys):
+    data = write(tmp_path / "train.json", json.dumps([{"source": "a", "target": "x"}, {"source": "b", "target": 2}]))
+    assert f"{data} row 2: column 'target' holds a int" in error_of(capsys, train.main, recipe_flags(tmp_path, data))
+
+
+def test_empty_text_names_its_line(tmp_path, capsys):
+    data = write(tmp_path / "train.tsv", "source\ttarget\nthe cat\tle chat\n \tle chien\n")
+    assert f"{data}:3: column 'source' is empty" in error_of(capsys, translation.main, recipe_flags(tmp_path, data))
+
+
+# ------------------------------------------------------------------------------------------------- class labels
+
+def nli(tmp_path, labels, suffix=".jsonl"):
+    rows = [{"premise": "the cat sat", "hypothesis": "a cat sat", "label": label} for label in labels]
+    if suffix == ".csv":
+        return write(tmp_path / "nli.csv", "premise,hypothesis,label\n" + "".join(
+            f"{row['premise']},{row['hypothesis']},{row['label']}\n" for row in rows))
+    return write(tmp_path / f"nli{suffix}", "".join(json.dumps(row) + "\n" for row in rows))
+
+
+def labels_of(path, **flags):
+    return classify.prompts_and_labels(read_table(path), classify.ClassificationArguments(**flags))[1]
+
+
+def test_json_booleans_are_never_class_indices(tmp_path, capsys):
+    data = nli(tmp_path, [True, False])
+    line = error_of(capsys, classify.main, recipe_flags(tmp_path, data))
+    assert f"{data}:1: label 'true' is not one of --classes" in line
+
+
+def test_labels_are_the_strings_they_are(tmp_path):
+    boolean = nli(tmp_path, [True, False])
+    assert labels_of(boolean, classes="false,true") == ["true", "false"]
+    # A JSON integer indexes --classes; a JSON string is a name, digits or not.
+    assert labels_of(nli(tmp_path, [0, 2])) == ["entailment", "contradiction"]
+    with pytest.raises(CommandError, match="label '1' is not one of --classes"):
+        labels_of(nli(tmp_path, ["1"]))
+    # A CSV has no types: its numbers index --classes, as GLUE's files store them.
+    assert labels_of(nli(tmp_path, ["neutral", 2], suffix=".csv")) == ["neutral", "contradiction"]
+
+
+# --------------------------------------------------------------------------------------------------------- flags
+
+@pytest.mark.parametrize("flags, says", [
+    (["--merge_lora"], "--merge_lora has no effect without --lora"),
+    (["--lora_r", "4"], "--lora_r has no effect without --lora"),
+    (["--lora", "--lora_r", "0"], "--lora_r 0: must be at least 1"),
+    (["--max_train_samples", "-1"], "--max_train_samples -1: must be at least 1"),
+    (["--max_target_length", "0"], "--max_target_length 0: must be at least 1"),
+    (["--generation_max_length", "8"], "--generation_max_length has no effect: nothing is generated"),
+    (["--generation_num_beams", "2"], "--generation_num_beams has no effect"),
+    (["--max_eval_samples", "2"], "--max_eval_samples has no effect without --do_eval"),
+    (["--test_file", "x.csv"], "--test_file has no effect without --do_predict"),
+    (["--no_such_flag", "1"], "--no_such_flag"),
+    (["--num_train_epochs", "many"], "invalid float value: 'many'"),
+])
+def test_seq2seq_flags(tmp_path, capsys, pairs, flags, says):
+    assert says in error_of(capsys, translation.main, recipe_flags(tmp_path, pairs, *flags))
+
+
+def test_flags_of_other_recipes(tmp_path, capsys, pairs):
+    nli_file = nli(tmp_path, ["neutral"])
+    assert "the classifier head does not generate" in error_of(capsys, classify.main, recipe_flags(
+        tmp_path, nli_file, "--head", "classifier", "--do_eval", "--validation_file", nli_file,
+        "--generation_max_length", "4"))
+    assert "--do_predict: this recipe does not predict" in error_of(capsys, train.main, recipe_flags(
+        tmp_path, pairs, "--do_predict", "--test_file", pairs))
+    assert "--generation_max_length" in error_of(capsys, train.main, recipe_flags(
+        tmp_path, pairs, "--generation_max_length", "4"))
+    assert "--classes a,a: names must be non-empty and distinct" in error_of(capsys, classify.main, recipe_flags(
+        tmp_path, nli_file, "--classes", "a,a"))
+    assert "no column 'document'" in error_of(capsys, summarization.main, recipe_flags(tmp_path, pairs))
+
+
+def test_dataset_name_offline(tmp_path, capsys, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    line = error_of(capsys, translation.main, ["--model_name_or_path", NO_MODEL, "--output_dir", tmp_path / "out",
+                                               "--do_train", "--dataset_name", "someone/no-such-dataset"])
+    assert line.startswith("error: --dataset_name someone/no-such-dataset: cannot load it (")
+
+
+def test_output_dir_of_a_user_is_kept(tmp_path, capsys, pairs):
+    occupied = tmp_path / "out"
+    occupied.mkdir()
+    (occupied / "notes.txt").write_text("a user's file")
+    assert "holds files that are not a FAT5 run's" in error_of(capsys, train.main, recipe_flags(tmp_path, pairs))
+    assert (occupied / "notes.txt").read_text() == "a user's file"
+    # The run folder's lock file is the only thing the refused run leaves (fat5/training/run_folder.py).
+    assert {path.name for path in occupied.iterdir()} <= {"notes.txt", ".fat5_run.lock"}
+
+
+# ------------------------------------------------------------------------------------------------------- predict
+
+@pytest.mark.parametrize("flags, says", [
+    (["--num_beams", "0"], "--num_beams 0: must be at least 1"),
+    (["--max_new_tokens", "0"], "--max_new_tokens 0: must be at least 1"),
+    (["--batch_size", "0"], "--batch_size 0: must be at least 1"),
+    (["--max_predict_samples", "-1"], "--max_predict_samples -1: must be at least 1"),
+    (["--length_penalty", "0.5"], "--length_penalty has no effect without beam search"),
+    (["--device", "tpu9"], "--device tpu9:"),
+    (["--source_column", "text"], "has no column 'text'"),
+])
+def test_predict_flags(tmp_path, capsys, pairs, model_folder, flags, says):
+    argv = ["--model", model_folder, "--input_file", pairs, "--output_file", tmp_path / "out.csv", *flags]
+    assert says in error_of(capsys, predict.main, argv)
+    assert not (tmp_path / "out.csv").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_predict_device_this_machine_lacks(tmp_path, capsys, pairs, model_folder):
+    argv = ["--model", model_folder, "--input_file", pairs, "--output_file", tmp_path / "out.csv", "--device", "cuda"]
+    assert "--device cuda: this machine has no cuda device" in error_of(capsys, predict.main, argv)
+
+
+def test_predict_never_overwrites_its_input_or_a_folder(tmp_path, capsys, pairs, model_folder, monkeypatch):
+    before = pairs.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    for output in (pairs, "pairs.csv", f"./sub/../{pairs.name}"):
+        (tmp_path / "sub").mkdir(exist_ok=True)
+        line = error_of(capsys, predict.main, ["--model", model_folder, "--input_file", pairs, "--output_file", output])
+        assert "is the --input_file" in line
+    assert pairs.read_bytes() == before
+    line = error_of(capsys, predict.main, ["--model", model_folder, "--input_file", pairs, "--output_file", tmp_path])
+    assert f"--output_file {tmp_path} is a folder" in line
+
+
+# ------------------------------------------------------------------------------------------------ worker errors
+
+class Failing(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        raise ValueError(f"row {index} is broken")
+
+
+def test_data_loader_worker_error_is_one_line():
+    with pytest.raises(CommandError) as caught, one_line_worker_errors():
+        next(iter(DataLoader(Failing(), num_workers=1)))
+    message = str(caught.value)
+    assert "\n" not in message and "ValueError: row 0 is broken" in message
+    assert "--dataloader_num_workers 0" in message

@@ -1,0 +1,190 @@
+"""The run folder (fat5/training/run_folder.py): one run per output folder, a lock for the run's lifetime (tested
+across two processes), atomic checkpoints marked with the run's id, `latest` resuming only a complete checkpoint
+of this run, interrupted saves cleaned by the next run, and --save_total_limit limited to this run's checkpoints.
+A tiny torch module stands in for the model: the machinery is Trainer's, whatever the model."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+from convert.cli import CommandError
+from fat5.training.run_folder import (
+    LOCK_NAME,
+    RECORD_NAME,
+    RunFolder,
+    RunFolderTrainerMixin,
+    complete_checkpoints,
+    read_record,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class TinyRegression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return {"loss": torch.nn.functional.mse_loss(self.linear(x).squeeze(-1), y)}
+
+
+class Examples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        generator = torch.Generator().manual_seed(index)
+        x = torch.randn(4, generator=generator)
+        return {"x": x, "y": x.sum()}
+
+
+class RunTrainer(RunFolderTrainerMixin, Trainer):
+    pass
+
+
+def train(folder, steps, resume=None, save_total_limit=None, trainer_class=RunTrainer):
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=str(folder), max_steps=steps, save_steps=2, per_device_train_batch_size=4,
+                             report_to="none", disable_tqdm=True, use_cpu=True, save_total_limit=save_total_limit,
+                             learning_rate=0.1, lr_scheduler_type="constant", logging_steps=1,
+                             dataloader_pin_memory=False)
+    trainer = trainer_class(model=TinyRegression(), args=args, train_dataset=Examples())
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def losses(checkpoint):
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    return {entry["step"]: entry["loss"] for entry in state["log_history"] if "loss" in entry}
+
+
+def test_checkpoints_are_marked_rotated_and_resumed(tmp_path):
+    out = tmp_path / "run"
+    with RunFolder(out).opened() as run_folder:
+        train(out, 6, save_total_limit=2)
+    run_id = read_record(out)["run"]
+    assert [path.name for path in complete_checkpoints(out, run_id)] == ["checkpoint-4", "checkpoint-6"]
+    assert read_record(out / "checkpoint-6") == {"run": run_id, "step": 6}
+    assert not [path.name for path in out.iterdir() if path.name.startswith(".checkpoint")]
+    assert "checkpoint-6, this run's last complete checkpoint" in run_folder.describe()
+    # The same run continues: `latest` picks its last complete checkpoint, and training goes on exactly.
+    with RunFolder(out, "latest").opened() as run_folder:
+        assert run_folder.run_id == run_id and run_folder.resume_checkpoint == str(out / "checkpoint-6")
+        train(out, 8, resume=run_folder.resume_checkpoint)
+    uninterrupted = tmp_path / "uninterrupted"
+    with RunFolder(uninterrupted).opened():
+        train(uninterrupted, 8)
+    resumed, reference = losses(out / "checkpoint-8"), losses(uninterrupted / "checkpoint-8")
+    assert resumed.keys() == reference.keys()
+    for step in (7, 8):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-5)
+
+
+def test_a_folder_holding_another_run_is_refused_unless_resumed_or_overwritten(tmp_path):
+    out = tmp_path / "run"
+    with RunFolder(out).opened():
+        train(out, 2)
+    first = read_record(out)["run"]
+    with pytest.raises(CommandError, match=r"holds another run's results .*last complete checkpoint: checkpoint-2\)"
+                                           r"; continue it with --resume_from_checkpoint latest, or pass "
+                                           r"--overwrite_output_dir"):
+        RunFolder(out).open()
+    with pytest.raises(CommandError, match="holds another run's results"):
+        RunFolder(out, tmp_path / "elsewhere").open()  # a checkpoint of another folder does not continue this run
+    assert read_record(out)["run"] == first and (out / "checkpoint-2").is_dir()
+    with RunFolder(out, overwrite=True).opened() as run_folder:
+        assert run_folder.run_id != first and sorted(path.name for path in out.iterdir()) == [LOCK_NAME,
+                                                                                               RECORD_NAME]
+    # Files that are not a run's are refused as well; an empty folder (or one left with only a record) is taken.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(CommandError, match="holds files that are not a FAT5 run's"):
+        RunFolder(tmp_path / "mine").open()
+    with RunFolder(out).opened():
+        pass
+
+
+def test_latest_without_a_checkpoint_and_bad_checkpoint_paths(tmp_path):
+    with pytest.raises(CommandError, match="holds no checkpoint of a run to continue"):
+        RunFolder(tmp_path / "new", "latest").open()
+    assert not (tmp_path / "new").exists()  # the refused run leaves no folder behind
+    out = tmp_path / "run"
+    with RunFolder(out).opened():
+        pass
+    with pytest.raises(CommandError, match="holds no complete checkpoint of its run"):
+        RunFolder(out, "last").open()
+    with pytest.raises(CommandError, match="no checkpoint folder at --resume_from_checkpoint"):
+        RunFolder(tmp_path / "other", tmp_path / "nope").open()
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(CommandError, match="is not a Trainer checkpoint"):
+        RunFolder(tmp_path / "other", tmp_path / "plain").open()
+
+
+def test_an_interrupted_checkpoint_is_never_resumed_and_is_cleaned(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    original = Trainer._save_rng_state
+
+    def interrupted_at_step_4(self, output_dir):
+        if self.state.global_step == 4:
+            raise KeyboardInterrupt
+        return original(self, output_dir)
+
+    monkeypatch.setattr(Trainer, "_save_rng_state", interrupted_at_step_4)
+    with pytest.raises(KeyboardInterrupt), RunFolder(out).opened() as run_folder:
+        train(out, 6)
+    assert "holds checkpoint-2, this run's last complete checkpoint" in run_folder.describe()
+    assert not (out / "checkpoint-4").exists() and (out / ".checkpoint-4.partial" / "checkpoint-4").is_dir()
+    monkeypatch.undo()
+    # A checkpoint-N without this run's mark (an older version's interrupted save) is not resumed either.
+    (out / "checkpoint-5").mkdir()
+    (out / "checkpoint-5" / "config.json").write_text("{}")
+    with RunFolder(out, "latest").opened() as run_folder:
+        assert run_folder.resume_checkpoint == str(out / "checkpoint-2")
+        assert sorted(path.name for path in out.iterdir() if "checkpoint" in path.name) == ["checkpoint-2"]
+
+
+def test_save_total_limit_keeps_other_runs_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    with RunFolder(out).opened():
+        foreign = out / "checkpoint-1"
+        foreign.mkdir()
+        (foreign / RECORD_NAME).write_text(json.dumps({"run": "another", "step": 1}))
+        train(out, 6, save_total_limit=1)
+    assert sorted(path.name for path in out.iterdir() if path.name.startswith("checkpoint")) == [
+        "checkpoint-1", "checkpoint-6"]
+
+
+LOCK_HOLDER = """
+import sys, time
+from fat5.training.run_folder import RunFolder
+with RunFolder(sys.argv[1]).opened():
+    print("locked", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_a_second_process_on_the_same_folder_is_refused(tmp_path):
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(LOCK_HOLDER), str(out)], cwd=REPO,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(CommandError, match=rf"is in use by another run \(process {holder.pid}\)"):
+            RunFolder(out, "latest").open()
+        with pytest.raises(CommandError, match="is in use by another run"):
+            RunFolder(out, overwrite=True).open()  # not even --overwrite_output_dir takes a folder in use
+    finally:
+        holder.communicate("done\n", timeout=60)
+    assert holder.returncode == 0
+    # Once the first run ends (or dies: the kernel drops the lock), the folder is free again.
+    with RunFolder(out).opened():
+        pass
+    assert sorted(os.listdir(out)) == [LOCK_NAME, RECORD_NAME]

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import Trainer, TrainingArguments
 
+from conftest import tiny_config
 from fat5.attention_fat5 import eager_attention, sdpa_attention, segment_positions
-from fat5.configuration_fat5 import FAT5Config
 from fat5.modeling_fat5 import (
     FAT5EncoderModel,
     FAT5ForConditionalGeneration,
@@ -47,12 +47,10 @@ CASES = [(backend, position) for backend in ("eager", "sdpa") for position in PO
 def tiny_model(backend, position, model_class=FAT5ForConditionalGeneration):
     # d_kv = 32: a head dim the triton kernel takes; one head there keeps the interpreter fast.
     heads = 1 if backend == "triton" else 2
-    config = FAT5Config(vocab_size=101, d_model=32 * heads, d_kv=32, d_ff=48, num_layers=2, num_decoder_layers=2,
-                        num_heads=heads, relative_attention_num_buckets=8, relative_attention_max_distance=20,
-                        dropout_rate=0.0, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-                        return_logits_in_training=True,  # the tests compare logits in train mode
-                        attention_backend=backend, pad_token_id=PAD, decoder_start_token_id=START,
-                        **POSITIONS[position])
+    config = tiny_config(d_model=32 * heads, d_kv=32, num_heads=heads,
+                         return_logits_in_training=True,  # the tests compare logits in train mode
+                         attention_backend=backend, pad_token_id=PAD, decoder_start_token_id=START,
+                         **POSITIONS[position])
     torch.manual_seed(0)
     return model_class(config)
 
@@ -68,9 +66,10 @@ def make_examples(shapes=SHAPES, seed=0):
     return examples
 
 
-def collate(examples):
+def collate(examples, device="cpu"):
     # Budgets that give rows with different numbers of examples (and a padded row).
-    return PackedSeq2SeqCollator(PAD, START, max_input_length=32, max_target_length=14)(examples)
+    batch = PackedSeq2SeqCollator(PAD, START, max_input_length=32, max_target_length=14)(examples)
+    return {name: tensor.to(device) for name, tensor in batch.items()}
 
 
 def segments_of(batch, key="decoder_segment_ids"):
@@ -99,9 +98,9 @@ def assert_close(actual, expected, rtol=1e-4, name="", floor=0.0):
 
 
 @pytest.mark.parametrize("backend, position", CASES)
-def test_packed_rows_give_the_logits_loss_and_gradients_of_examples_run_one_by_one(backend, position):
-    model = tiny_model(backend, position)
-    batch = collate(make_examples(SHAPES_TRITON if backend == "triton" else SHAPES))
+def test_packed_rows_give_the_logits_loss_and_gradients_of_examples_run_one_by_one(backend, position, kernel_device):
+    model = tiny_model(backend, position).to(kernel_device)
+    batch = collate(make_examples(SHAPES_TRITON if backend == "triton" else SHAPES), kernel_device)
     assert batch["input_ids"].shape[0] >= 2 and batch["segment_ids"].amax(dim=1).unique().numel() >= 2
 
     packed = model(**batch)
@@ -131,10 +130,10 @@ def test_packed_rows_give_the_logits_loss_and_gradients_of_examples_run_one_by_o
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa", "triton"])
-def test_changing_one_segment_leaves_every_other_segment_bit_identical(backend):
+def test_changing_one_segment_leaves_every_other_segment_bit_identical(backend, kernel_device):
     # Holds in the triton backend too: each segment is its own varlen sequence, so others are never read.
-    model = tiny_model(backend, "t5").eval()
-    batch = collate(make_examples())
+    model = tiny_model(backend, "t5").to(kernel_device).eval()
+    batch = collate(make_examples(), kernel_device)
     changed = {name: tensor.clone() for name, tensor in batch.items()}
     row, segment = 0, 2
     encoder_positions = batch["segment_ids"][row] == segment

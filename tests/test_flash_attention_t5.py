@@ -335,6 +335,22 @@ def test_missing_triton_raises_a_clear_import_error(monkeypatch):
         importlib.import_module(kernel_module.__name__)
 
 
+# The fake output is empty_like(query), which keeps the strides of the transposed view the model passes, while the
+# real op returns a contiguous tensor: a compiled graph then views the real output with the fake layout and fails
+# (the whole-model compiled training step with more than one head). Strict: the fix makes this marker fail.
+@pytest.mark.xfail(strict=True, reason="fat5::flash_attention_forward's fake output strides differ from the real op's")
+def test_fake_output_has_the_real_output_strides():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def transposed_query():  # (B, L, H, D) storage seen as (B, H, L, D), as the model's projections give it
+        return torch.randn(1, 20, 2, 32, device=KERNEL_DEVICE).transpose(1, 2)
+
+    real = flash_attention_t5(transposed_query(), transposed_query(), transposed_query())
+    with FakeTensorMode():
+        fake = flash_attention_t5(transposed_query(), transposed_query(), transposed_query())
+    assert fake.shape == real.shape and fake.stride() == real.stride()
+
+
 def test_fake_implementation_gives_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -41,13 +41,19 @@ POSITIONS = {
 # The kernel runs in the Triton interpreter (slow, ~0.3 s a launch): one case, the per-layer T5 tables. The packing
 # code around the kernel does not depend on the bias (ALiBi and no-bias kernel paths are tested in
 # test_flash_attention_t5.py); FIRE, a dense bias, never reaches the kernel.
-CASES = [(backend, position) for backend in ("eager", "sdpa") for position in POSITIONS] + [("triton", "umt5")]
+CASES = [(backend, position, "reduced") for backend in ("eager", "sdpa") for position in POSITIONS]
+CASES += [("triton", "umt5", "reduced"), pytest.param("triton", "umt5", "full", marks=pytest.mark.gpu)]
+# The GPU tier's case ("full"): T5-base heads and examples up to 2,000 tokens, packed into rows of 2,048.
+FULL_MODEL = dict(vocab_size=32128, d_model=768, d_kv=64, d_ff=2048, num_heads=12, relative_attention_num_buckets=32,
+                  relative_attention_max_distance=128)
+SHAPES_FULL = [(1500, 100), (400, 60), (2000, 128), (40, 20), (300, 90)]
+BUDGETS = {"reduced": (32, 14), "full": (2048, 256)}
 
 
-def tiny_model(backend, position, model_class=FAT5ForConditionalGeneration):
+def tiny_model(backend, position, model_class=FAT5ForConditionalGeneration, **overrides):
     # d_kv = 32: a head dim the triton kernel takes; one head there keeps the interpreter fast.
     heads = 1 if backend == "triton" else 2
-    config = tiny_config(d_model=32 * heads, d_kv=32, num_heads=heads,
+    config = tiny_config(**{"d_model": 32 * heads, "d_kv": 32, "num_heads": heads, **overrides},
                          return_logits_in_training=True,  # the tests compare logits in train mode
                          attention_backend=backend, pad_token_id=PAD, decoder_start_token_id=START,
                          **POSITIONS[position])
@@ -66,9 +72,9 @@ def make_examples(shapes=SHAPES, seed=0):
     return examples
 
 
-def collate(examples, device="cpu"):
+def collate(examples, device="cpu", budgets=BUDGETS["reduced"]):
     # Budgets that give rows with different numbers of examples (and a padded row).
-    batch = PackedSeq2SeqCollator(PAD, START, max_input_length=32, max_target_length=14)(examples)
+    batch = PackedSeq2SeqCollator(PAD, START, max_input_length=budgets[0], max_target_length=budgets[1])(examples)
     return {name: tensor.to(device) for name, tensor in batch.items()}
 
 
@@ -97,10 +103,12 @@ def assert_close(actual, expected, rtol=1e-4, name="", floor=0.0):
     assert error <= rtol * scale, f"{name}: max error {error:.3g} against magnitude {scale:.3g}"
 
 
-@pytest.mark.parametrize("backend, position", CASES)
-def test_packed_rows_give_the_logits_loss_and_gradients_of_examples_run_one_by_one(backend, position, kernel_device):
-    model = tiny_model(backend, position).to(kernel_device)
-    batch = collate(make_examples(SHAPES_TRITON if backend == "triton" else SHAPES), kernel_device)
+@pytest.mark.parametrize("backend, position, scale", CASES)
+def test_packed_rows_give_the_logits_loss_and_gradients_of_examples_run_one_by_one(backend, position, scale,
+                                                                                   kernel_device):
+    model = tiny_model(backend, position, **(FULL_MODEL if scale == "full" else {})).to(kernel_device)
+    shapes = SHAPES_FULL if scale == "full" else SHAPES_TRITON if backend == "triton" else SHAPES
+    batch = collate(make_examples(shapes), kernel_device, BUDGETS[scale])
     assert batch["input_ids"].shape[0] >= 2 and batch["segment_ids"].amax(dim=1).unique().numel() >= 2
 
     packed = model(**batch)

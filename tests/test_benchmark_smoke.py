@@ -119,7 +119,8 @@ def test_gpu_suite_smoke_isolates_stages_collects_and_ends_with_the_goal_table(t
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[attention_decode] timeout after 1 s" in result.stdout
     assert "[loss_memory] ok" in result.stdout
-    lines = result.stdout[result.stdout.index("| goal | figure | status |"):].strip().splitlines()[2:]
+    table = result.stdout[result.stdout.index("| goal | figure | status |"):].splitlines()
+    lines = [line for line in table if line.startswith("|")][2:]
     assert len(lines) == 10 and all(line.endswith(("| met |", "| MISSED |", "| not measured |")) for line in lines)
     assert {path.name for path in out.iterdir()} >= {"results.json", "tables.md", "suite.log"}
     document = json.loads((out / "results.json").read_text())

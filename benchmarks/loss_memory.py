@@ -91,6 +91,34 @@ def compare(vocab_size, d_model, tokens, reps):
             "speed_chunked_over_full": step_ms["full fp32 logits"] / step_ms["chunked (default)"]}
 
 
+def liger_check(vocab_size, d_model, tokens, reps):
+    """liger-kernel's fused loss (`lm_loss_implementation="liger"`) against the chunked one in real CUDA steps:
+    loss and largest gradient differences, median step time, CUDA allocator peak of a step. A string saying why
+    not where there is no CUDA or no liger-kernel."""
+    if not torch.cuda.is_available():
+        return "not measured: no CUDA (liger-kernel runs on CUDA only)"
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        return "not measured: liger-kernel is not installed (pip install 'fat5[liger]')"
+    model, batch = build(vocab_size, d_model, tokens)
+    model.cuda()
+    batch = {name: tensor.cuda() for name, tensor in batch.items()}
+    runs = {}
+    for implementation in ("chunked", "liger"):
+        model.config.lm_loss_implementation = implementation
+        with common.peak_memory() as peak:
+            loss = step(model, batch, full_logits=False)
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        ms = common.time_ms(lambda: step(model, batch, full_logits=False), reps, warmup=1)
+        runs[implementation] = (loss.detach(), grads, ms, peak["mib"])
+    (loss, grads, ms, peak), (liger_loss, liger_grads, liger_ms, liger_peak) = runs.values()
+    worst = max(((liger_grads[n] - g).abs().max() / g.abs().max()).item() for n, g in grads.items())
+    return {"loss_relative_difference": abs((liger_loss - loss) / loss).item(),
+            "max_gradient_relative_difference": worst, "step_ms": {"chunked": ms, "liger": liger_ms},
+            "peak_mib": {"chunked": peak, "liger": liger_peak}}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab-size", type=int, default=250112)
@@ -109,11 +137,12 @@ def main():
     real_chunked = tracked_peak(model, batch, full_logits=False)
     del model, batch
     check = compare(args.vocab_size, args.d_model, args.check_tokens, args.reps)
+    liger = liger_check(args.vocab_size, args.d_model, args.check_tokens, args.reps)
     full, chunked = peaks["full fp32 logits"], peaks["chunked (default)"]
     result = {
         "vocab_size": args.vocab_size, "d_model": args.d_model, "target_tokens": args.tokens,
         "peak_bytes": peaks, "chunked_peak_bytes_real_run": real_chunked, "ratio_full_over_chunked": full / chunked,
-        "check_tokens": args.check_tokens, **check,
+        "check_tokens": args.check_tokens, **check, "liger": liger,
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
         "torch": torch.__version__, "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
         "seconds": round(time.time() - start, 1),
@@ -129,6 +158,13 @@ def main():
     timings = ", ".join(f"{name} {ms:.1f} ms" for name, ms in check["step_ms"].items())
     print(f"  step time at {args.check_tokens} tokens: {timings}; chunked is "
           f"{check['speed_chunked_over_full']:.2f}x the full-logits speed", flush=True)
+    if isinstance(liger, str):
+        print(f"  liger-kernel: {liger}")
+    else:
+        print(f"  liger-kernel on CUDA at {args.check_tokens} tokens: loss rel diff "
+              f"{liger['loss_relative_difference']:.2e}, max gradient rel diff "
+              f"{liger['max_gradient_relative_difference']:.2e}; step ms {liger['step_ms']}; peak MiB "
+              f"{liger['peak_mib']}", flush=True)
     if args.output:
         args.output.write_text(json.dumps(result, indent=2) + "\n")
     if not args.smoke and full < 4 * chunked:

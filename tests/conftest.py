@@ -1,11 +1,54 @@
+"""What every test shares: where Triton kernels run, the tiny model's config, and the `gpu` tier.
+
+Test files import `KERNEL_DEVICE` and `tiny_config` from here (`from conftest import ...`: tests/ is on sys.path);
+tests that only need them as arguments take the `kernel_device` and `tiny_config` fixtures.
+"""
+
 import os
 
+import pytest
 import torch
 
-# Without CUDA, Triton kernels run in the interpreter. It is read when kernels are decorated,
-# so it must be set before any kernel module is imported.
-if not torch.cuda.is_available():
+# Triton kernels run on CUDA tensors when CUDA is present; without it, on CPU tensors in Triton's interpreter.
+# Every test that runs a kernel puts its tensors (and models) on this device, so the same test checks the GPU
+# code on a CUDA machine and the interpreter elsewhere.
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# The interpreter is read when kernels are decorated, so it must be set before any kernel module is imported.
+if KERNEL_DEVICE.type == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Tests never touch the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# The tiny model most tests build: every layer type (gated FFN, untied head, encoder and decoder, T5 buckets) at
+# sizes that run in milliseconds on CPU.
+TINY_CONFIG = dict(vocab_size=101, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
+                   relative_attention_num_buckets=8, relative_attention_max_distance=20, dropout_rate=0.0,
+                   feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+
+
+def tiny_config(**overrides):
+    """A FAT5Config of TINY_CONFIG with `overrides`."""
+    from fat5.configuration_fat5 import FAT5Config
+
+    return FAT5Config(**{**TINY_CONFIG, **overrides})
+
+
+@pytest.fixture(name="kernel_device")
+def kernel_device_fixture():
+    return KERNEL_DEVICE
+
+
+@pytest.fixture(name="tiny_config")
+def tiny_config_fixture():
+    return tiny_config
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` (the GPU tier, `python -m pytest -m gpu`) are skipped without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu tier: needs CUDA")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

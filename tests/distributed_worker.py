@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from fat5 import FAT5Config, FAT5ForConditionalGeneration
+from conftest import tiny_config
+from fat5 import FAT5ForConditionalGeneration
 
 STEPS = 3
 LR = 1e-2
@@ -28,10 +29,7 @@ NEW_TOKENS = [2, 7]
 
 def tiny_model():
     torch.manual_seed(0)
-    config = FAT5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
-                        dropout_rate=0.0, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-                        decoder_start_token_id=0, attention_backend="sdpa")
-    return FAT5ForConditionalGeneration(config)
+    return FAT5ForConditionalGeneration(tiny_config(vocab_size=64, decoder_start_token_id=0, attention_backend="sdpa"))
 
 
 def batch(rank):

@@ -32,14 +32,15 @@ def hf_classes(prefix):
     return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForConditionalGeneration")
 
 
-def make_t5_checkpoint(family, folder, seed=0, safe_serialization=True):
+def make_t5_checkpoint(family, folder, seed=0, safe_serialization=True, **shape):
     """Save a random checkpoint of `family` into `folder` the way Hub checkpoints look: an untied model stores
     its own lm_head and says tie_word_embeddings=false in config.json. Without safe_serialization it writes an
-    old-style `pytorch_model.bin` that also stores the tied copies (embed_tokens, a tied lm_head)."""
+    old-style `pytorch_model.bin` that also stores the tied copies (embed_tokens, a tied lm_head). `shape`
+    overrides the tiny sizes (e.g. T5-base's for the GPU tests)."""
     prefix, overrides, tied = FAMILIES[family]
     config_class, model_class = hf_classes(prefix)
     torch.manual_seed(seed)
-    model = model_class(config_class(**{**COMMON, **overrides}, tie_word_embeddings=tied)).eval()
+    model = model_class(config_class(**{**COMMON, **overrides, **shape}, tie_word_embeddings=tied)).eval()
     if not tied:
         # transformers 5 ties at init whatever the flag says; give the head its own weights, as FLAN-T5 has.
         model.lm_head.weight = nn.Parameter(torch.randn_like(model.shared.weight) * 0.5)
@@ -65,17 +66,17 @@ def load_hf_reference(family, folder):
     return load_source_model(folder)
 
 
-def padded_batch(vocab_size, generator=None):
+def padded_batch(vocab_size, generator=None, length=29, decoder_length=23):
     """Encoder batch with right and left padding and ragged lengths, plus a padded decoder batch."""
     generator = generator or torch.Generator().manual_seed(1)
-    input_ids = torch.randint(2, vocab_size, (3, 29), generator=generator)
+    input_ids = torch.randint(2, vocab_size, (3, length), generator=generator)
     attention_mask = torch.ones_like(input_ids)
-    attention_mask[1, 19:] = 0  # right padding
-    attention_mask[2, :6] = 0  # left padding
+    attention_mask[1, length * 2 // 3:] = 0  # right padding
+    attention_mask[2, :(length + 1) // 5] = 0  # left padding
     input_ids = input_ids.masked_fill(attention_mask == 0, 0)
-    labels = torch.randint(2, vocab_size, (3, 23), generator=generator)
+    labels = torch.randint(2, vocab_size, (3, decoder_length), generator=generator)
     decoder_attention_mask = torch.ones_like(labels)
-    decoder_attention_mask[1, 15:] = 0
+    decoder_attention_mask[1, decoder_length * 2 // 3:] = 0
     labels = labels.masked_fill(decoder_attention_mask == 0, -100)
     return dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels,
                 decoder_attention_mask=decoder_attention_mask)

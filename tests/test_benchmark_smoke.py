@@ -79,6 +79,8 @@ def test_loss_memory_smoke_run(tmp_path):
     assert set(row["peak_bytes"]) == {"full fp32 logits", "chunked (default)"}
     assert row["chunked_peak_bytes_real_run"] == row["peak_bytes"]["chunked (default)"]
     assert row["loss_relative_difference"] < 1e-5 and row["max_gradient_relative_difference"] < 1e-4
+    # liger-kernel's path is compared on CUDA when it is installed; otherwise the row says why not.
+    assert isinstance(row["liger"], dict) or row["liger"].startswith("not measured: ")
 
 
 def test_decode_smoke_run_writes_rows(tmp_path):
@@ -92,10 +94,63 @@ def test_decode_smoke_run_writes_rows(tmp_path):
     ("train_step.py", ["--lengths", "512,0"], "argument --lengths: 0 is not a positive integer"),
     ("generate.py", ["--shape", "d_model=x"], "error: --shape d_model: 'x' is not an integer"),
     ("attention.py", ["--decode", "--decode-batches", "one"], "argument --decode-batches: 'one' is not an integer"),
+    ("gpu_suite.py", ["--stages", "tests,nope"], "unknown --stages ['tests', 'nope']; choose from attention_decode, "
+     "attention_decoder, attention_encoder, generate, gpu_tests, loss_memory, train_step, train_step_compiled"),
+    ("gpu_suite.py", ["--timeout", "generate=0"], "--timeout 'generate=0': expected STAGE=SECONDS with STAGE one of "
+     "attention_decode, attention_decoder, attention_encoder, generate, gpu_tests, loss_memory, train_step, "
+     "train_step_compiled"),
 ])
 def test_bad_flag_is_one_error_line_and_nonzero_exit(tmp_path, script, flags, message):
-    result = subprocess.run([sys.executable, str(BENCHMARKS / script), *flags, "--out-dir", str(tmp_path)],
+    output = ["--out", str(tmp_path / "out")] if script == "gpu_suite.py" else ["--out-dir", str(tmp_path)]
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), *flags, *output],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1].endswith(message)
     assert "Traceback" not in result.stderr and not any(tmp_path.iterdir())  # nothing measured, nothing written
+
+
+def test_gpu_suite_smoke_isolates_stages_collects_and_ends_with_the_goal_table(tmp_path):
+    """Two cheap stages, one of them timed out: the other still runs, and --out collects its results."""
+    results_before = (BENCHMARKS / "RESULTS.md").read_text()
+    out = tmp_path / "collected"
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--smoke", "--out", str(out),
+                             "--stages", "attention_decode,loss_memory", "--timeout", "attention_decode=1",
+                             "--wheels", str(tmp_path / "no-wheels")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[attention_decode] timeout after 1 s" in result.stdout
+    assert "[loss_memory] ok" in result.stdout
+    table = result.stdout[result.stdout.index("| goal | figure | status |"):].splitlines()
+    lines = [line for line in table if line.startswith("|")][2:]
+    assert len(lines) == 10 and all(line.endswith(("| met |", "| MISSED |", "| not measured |")) for line in lines)
+    assert {path.name for path in out.iterdir()} >= {"results.json", "tables.md", "suite.log"}
+    document = json.loads((out / "results.json").read_text())
+    assert "loss_memory.json" in document["stages"]["loss_memory"] and len(document["goals"]) == 10
+    assert (BENCHMARKS / "RESULTS.md").read_text() == results_before  # a smoke run writes nothing in the tree
+
+
+def test_gpu_suite_goals_from_rows():
+    sys.path.insert(0, str(BENCHMARKS))
+    import gpu_suite
+
+    def attention(name, length, passes, tflops):
+        return dict(implementation=name, L=length, causal=False, status="ok", **{"pass": passes}, tflops=tflops)
+
+    rows = [attention("fat5", 512, "fwd+bwd", 210), attention("fat5", 2048, "fwd", 360),
+            attention("fat5", 2048, "fwd+bwd", 250), attention("flex_lut", 2048, "fwd", 150),
+            attention("flex_lut", 2048, "fwd+bwd", 100), attention("flex_lut", 512, "fwd+bwd", 120)]
+    statuses = [goal["status"] for goal in gpu_suite.kernel_goals(rows)]
+    assert statuses == ["met", "MISSED", "met", "MISSED"]  # 250 < 280; 210 / 120 < 2
+    assert [goal["status"] for goal in gpu_suite.kernel_goals([])] == ["not measured"] * 4
+
+    def train(name, length, tokens_per_s, status="ok"):
+        return dict(implementation=name, L=length, tokens_per_s=tokens_per_s, status=status)
+
+    train_rows = [train("fat5", 512, 300), train("fat5+compile", 512, 400), train("t5_sdpa", 512, 100),
+                  train("t5_flex", 512, 100), train("fat5", 4096, 300), train("t5_sdpa+compile", 4096, 100),
+                  train("fat5", 32768, 50)]
+    generate_rows = [dict(implementation="fat5", batch=1, tokens_per_s=90, status="ok"),
+                     dict(implementation="t5_eager", batch=1, tokens_per_s=50, status="ok")]
+    goals = gpu_suite.model_goals(train_rows, generate_rows)
+    assert [goal["status"] for goal in goals] == ["met", "met", "MISSED", "met", "MISSED"]
+    assert goals[1]["figure"] == "4.00x" and goals[2]["figure"] == "3.00x"
+    assert [goal["status"] for goal in gpu_suite.model_goals([], [])] == ["not measured"] * 5

@@ -8,7 +8,7 @@ CPU machine would take minutes per class; the CUDA kernels are custom ops, opaqu
 import pytest
 import torch
 
-from fat5.configuration_fat5 import FAT5Config
+from conftest import tiny_config
 from fat5.modeling_fat5 import (
     FAT5EncoderModel,
     FAT5ForConditionalGeneration,
@@ -18,9 +18,9 @@ from fat5.modeling_fat5 import (
     FAT5Model,
 )
 
-CONFIG = dict(vocab_size=64, d_model=16, d_kv=4, d_ff=24, num_layers=1, num_decoder_layers=1, num_heads=4,
-              relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
-              feed_forward_proj="gated-gelu", num_labels=3)
+# The tied head (T5 v1.0) is the one whose weight sharing the graph must keep.
+CONFIG = dict(vocab_size=64, d_model=16, d_kv=4, d_ff=24, num_layers=1, num_decoder_layers=1,
+              relative_attention_max_distance=16, tie_word_embeddings=True, num_labels=3)
 
 
 def batch():
@@ -57,7 +57,7 @@ def inputs_and_loss(model_class):
                                          FAT5ForQuestionAnswering])
 def test_fullgraph_compile_forward_and_backward(model_class):
     torch.manual_seed(0)
-    model = model_class(FAT5Config(**CONFIG)).train()
+    model = model_class(tiny_config(**CONFIG)).train()
     inputs, loss_of = inputs_and_loss(model_class)
     expected = loss_of(model(**inputs))
     expected.backward()

@@ -5,7 +5,7 @@ and values are computed once per generation."""
 import pytest
 import torch
 
-from fat5.configuration_fat5 import FAT5Config
+from conftest import tiny_config
 from fat5.modeling_fat5 import FAT5ForConditionalGeneration
 
 POSITION_TYPES = ["t5", "rope", "alibi", "fire", "none"]
@@ -15,11 +15,7 @@ VOCAB = 61
 def confident_model(num_layers=2, num_decoder_layers=2, **overrides):
     """A tiny model whose random weights are large enough that its greedy choices are not near-ties (T5's
     initialisation makes a fresh model emit one token forever, which would prove nothing)."""
-    values = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=num_layers,
-                  num_decoder_layers=num_decoder_layers, num_heads=4, relative_attention_num_buckets=8,
-                  relative_attention_max_distance=20, dropout_rate=0.0, feed_forward_proj="gated-gelu",
-                  tie_word_embeddings=False)
-    config = FAT5Config(**{**values, **overrides})
+    config = tiny_config(vocab_size=VOCAB, num_layers=num_layers, num_decoder_layers=num_decoder_layers, **overrides)
     torch.manual_seed(0)
     model = FAT5ForConditionalGeneration(config).eval()
     with torch.no_grad():
@@ -31,13 +27,14 @@ def confident_model(num_layers=2, num_decoder_layers=2, **overrides):
     return model
 
 
-def padded_inputs():
+def padded_inputs(device="cpu"):
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(2, VOCAB, (3, 9), generator=generator)
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, 6:] = 0  # right padding
     attention_mask[2, :3] = 0  # left padding
-    return dict(input_ids=input_ids.masked_fill(attention_mask == 0, 0), attention_mask=attention_mask)
+    return dict(input_ids=input_ids.masked_fill(attention_mask == 0, 0).to(device),
+                attention_mask=attention_mask.to(device))
 
 
 def generate(model, **options):
@@ -126,10 +123,10 @@ def test_static_cache_decoding_compiles_without_graph_breaks():
     assert decode_steps
 
 
-def test_static_cache_with_the_triton_kernel_gives_the_eager_tokens():
+def test_static_cache_with_the_triton_kernel_gives_the_eager_tokens(kernel_device):
     """The kernel (interpreted on CPU) takes a static cache's offset, which is a tensor, as a scalar."""
-    model = confident_model(1, 1, d_kv=32, num_heads=2)
-    inputs = dict(**padded_inputs(), max_new_tokens=3, min_new_tokens=3)
+    model = confident_model(1, 1, d_kv=32, num_heads=2).to(kernel_device)
+    inputs = dict(**padded_inputs(kernel_device), max_new_tokens=3, min_new_tokens=3)
     model.config.attention_backend = "eager"
     expected = model.generate(**inputs)
     model.config.attention_backend = "triton"

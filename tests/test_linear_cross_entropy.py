@@ -6,6 +6,7 @@ Chunks are made tiny (a few tokens) so every call spans several chunks and a rag
 import pytest
 import torch
 
+from conftest import tiny_config
 from fat5 import loss_fat5 as loss_module
 from fat5.configuration_fat5 import FAT5Config
 from fat5.loss_fat5 import linear_cross_entropy
@@ -99,9 +100,8 @@ def test_liger_and_unknown_implementations_fail_clearly_on_cpu():
 @pytest.mark.parametrize("tied", [False, True])
 def test_training_returns_the_loss_without_logits_unless_asked(tied):
     """T5 v1.0 (tied head, decoder output rescaled) and v1.1: same loss and gradients as the full logits."""
-    config = FAT5Config(vocab_size=VOCAB, d_model=DIM, d_kv=6, d_ff=32, num_layers=1, num_heads=4,
-                        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
-                        tie_word_embeddings=tied, z_loss=1e-3, label_smoothing=0.1)
+    config = tiny_config(vocab_size=VOCAB, d_model=DIM, d_kv=6, num_layers=1, num_decoder_layers=1,
+                         tie_word_embeddings=tied, z_loss=1e-3, label_smoothing=0.1)
     torch.manual_seed(0)
     model = FAT5ForConditionalGeneration(config).train()
     assert model.config.scale_decoder_outputs == tied

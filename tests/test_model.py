@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from transformers import AutoModel, AutoModelForSeq2SeqLM, AutoModelForTokenClassification
 
 import fat5  # noqa: F401  registers the Auto classes
+from conftest import tiny_config
 from fat5.configuration_fat5 import FAT5Config
 from fat5.loss_fat5 import seq2seq_lm_loss
 from fat5.modeling_fat5 import (
@@ -19,14 +20,6 @@ from fat5.modeling_fat5 import (
 from t5_checkpoints import padded_batch
 
 POSITION_TYPES = ["t5", "rope", "alibi", "fire", "none"]
-
-
-def tiny_config(**overrides):
-    values = dict(vocab_size=101, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2, num_heads=4,
-                  relative_attention_num_buckets=8, relative_attention_max_distance=20, dropout_rate=0.0,
-                  feed_forward_proj="gated-gelu", tie_word_embeddings=False)
-    values.update(overrides)
-    return FAT5Config(**values)
 
 
 def tiny_model(**overrides):
@@ -232,10 +225,10 @@ def test_fresh_model_uses_t5_initialisation():
 
 
 @pytest.mark.parametrize("position", ["t5", "alibi", "rope"])
-def test_triton_backend_matches_eager_inside_the_model(position):
+def test_triton_backend_matches_eager_inside_the_model(position, kernel_device):
     """The kernel as the model's backend (interpreted on CPU): logits, gradients and cached generation."""
-    model = tiny_model(position_encoding_type=position, d_model=64, d_kv=32, num_heads=2)
-    batch = padded_batch(101)
+    model = tiny_model(position_encoding_type=position, d_model=64, d_kv=32, num_heads=2).to(kernel_device)
+    batch = {name: tensor.to(kernel_device) for name, tensor in padded_batch(101).items()}
     real = batch["decoder_attention_mask"].bool()
     results = {}
     for backend in ("eager", "triton"):

@@ -5,10 +5,10 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
+from conftest import tiny_config
 from convert.checkpoint import convert_checkpoint
 from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
 from fat5 import (
-    FAT5Config,
     FAT5EncoderModel,
     FAT5ForConditionalGeneration,
     FAT5ForQuestionAnswering,
@@ -22,17 +22,9 @@ from t5_checkpoints import padded_batch
 VOCAB = 101
 
 
-def tiny_config(**overrides):
-    values = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3, num_heads=4,
-                  relative_attention_num_buckets=8, relative_attention_max_distance=20, dropout_rate=0.0,
-                  feed_forward_proj="gated-gelu", tie_word_embeddings=False)
-    values.update(overrides)
-    return FAT5Config(**values)
-
-
 def tiny(model_class=FAT5ForConditionalGeneration, **overrides):
     torch.manual_seed(0)
-    return model_class(tiny_config(**overrides)).eval()
+    return model_class(tiny_config(**{"num_decoder_layers": 3, **overrides})).eval()
 
 
 def seq2seq_batch():
@@ -153,7 +145,7 @@ def test_unknown_backend_fails_at_load_time(tmp_path):
     tiny().save_pretrained(tmp_path / "model")
     with pytest.raises(ValueError, match="FAT5Config.attention_backend: 'bogus'"):
         AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "model", attention_backend="bogus")
-    config = tiny_config()
+    config = tiny_config(num_decoder_layers=3)
     with pytest.raises(ValueError, match="FAT5Config.attention_backend: 'flash'"):
         config.attention_backend = "flash"
 

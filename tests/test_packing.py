@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import Trainer, TrainingArguments
 
+from conftest import tiny_config
 from fat5.attention_fat5 import sdpa_attention, segment_positions
-from fat5.configuration_fat5 import FAT5Config
 from fat5.modeling_fat5 import (
     FAT5EncoderModel,
     FAT5ForConditionalGeneration,
@@ -42,18 +42,22 @@ POSITIONS = {
 # The kernel runs in the Triton interpreter (slow, ~0.3 s a launch): one case, the per-layer T5 tables. The packing
 # code around the kernel does not depend on the bias (ALiBi and no-bias kernel paths are tested in
 # test_flash_attention_t5.py); FIRE, a dense bias, never reaches the kernel.
-CASES = [(backend, position) for backend in ("eager", "sdpa") for position in POSITIONS] + [("triton", "umt5")]
+CASES = [(backend, position, "reduced") for backend in ("eager", "sdpa") for position in POSITIONS]
+CASES += [("triton", "umt5", "reduced"), pytest.param("triton", "umt5", "full", marks=pytest.mark.gpu)]
+# The GPU tier's case ("full"): T5-base heads and examples up to 2,000 tokens, packed into rows of 2,048.
+FULL_MODEL = dict(vocab_size=32128, d_model=768, d_kv=64, d_ff=2048, num_heads=12, relative_attention_num_buckets=32,
+                  relative_attention_max_distance=128)
+SHAPES_FULL = [(1500, 100), (400, 60), (2000, 128), (40, 20), (300, 90)]
+BUDGETS = {"reduced": (32, 14), "full": (2048, 256)}
 
 
-def tiny_model(backend, position, model_class=FAT5ForConditionalGeneration):
+def tiny_model(backend, position, model_class=FAT5ForConditionalGeneration, **overrides):
     # d_kv = 32: a head dim the triton kernel takes; one head there keeps the interpreter fast.
     heads = 1 if backend == "triton" else 2
-    config = FAT5Config(vocab_size=101, d_model=32 * heads, d_kv=32, d_ff=48, num_layers=2, num_decoder_layers=2,
-                        num_heads=heads, relative_attention_num_buckets=8, relative_attention_max_distance=20,
-                        dropout_rate=0.0, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
-                        return_logits_in_training=True,  # the tests compare logits in train mode
-                        attention_backend=backend, pad_token_id=PAD, decoder_start_token_id=START,
-                        **POSITIONS[position])
+    config = tiny_config(**{"d_model": 32 * heads, "d_kv": 32, "num_heads": heads, **overrides},
+                         return_logits_in_training=True,  # the tests compare logits in train mode
+                         attention_backend=backend, pad_token_id=PAD, decoder_start_token_id=START,
+                         **POSITIONS[position])
     torch.manual_seed(0)
     return model_class(config)
 
@@ -69,9 +73,10 @@ def make_examples(shapes=SHAPES, seed=0):
     return examples
 
 
-def collate(examples):
+def collate(examples, device="cpu", budgets=BUDGETS["reduced"]):
     # Budgets that give rows with different numbers of examples (and a padded row).
-    return PackedSeq2SeqCollator(PAD, START, max_input_length=32, max_target_length=14)(examples)
+    batch = PackedSeq2SeqCollator(PAD, START, max_input_length=budgets[0], max_target_length=budgets[1])(examples)
+    return {name: tensor.to(device) for name, tensor in batch.items()}
 
 
 def segments_of(batch, key="decoder_segment_ids"):
@@ -99,10 +104,12 @@ def assert_close(actual, expected, rtol=1e-4, name="", floor=0.0):
     assert error <= rtol * scale, f"{name}: max error {error:.3g} against magnitude {scale:.3g}"
 
 
-@pytest.mark.parametrize("backend, position", CASES)
-def test_packed_rows_give_the_logits_loss_and_gradients_of_examples_run_one_by_one(backend, position):
-    model = tiny_model(backend, position)
-    batch = collate(make_examples(SHAPES_TRITON if backend == "triton" else SHAPES))
+@pytest.mark.parametrize("backend, position, scale", CASES)
+def test_packed_rows_give_the_logits_loss_and_gradients_of_examples_run_one_by_one(backend, position, scale,
+                                                                                   kernel_device):
+    model = tiny_model(backend, position, **(FULL_MODEL if scale == "full" else {})).to(kernel_device)
+    shapes = SHAPES_FULL if scale == "full" else SHAPES_TRITON if backend == "triton" else SHAPES
+    batch = collate(make_examples(shapes), kernel_device, BUDGETS[scale])
     assert batch["input_ids"].shape[0] >= 2 and batch["segment_ids"].amax(dim=1).unique().numel() >= 2
 
     packed = model(**batch)
@@ -132,10 +139,10 @@ def test_packed_rows_give_the_logits_loss_and_gradients_of_examples_run_one_by_o
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa", "triton"])
-def test_changing_one_segment_leaves_every_other_segment_bit_identical(backend):
+def test_changing_one_segment_leaves_every_other_segment_bit_identical(backend, kernel_device):
     # Holds in the triton backend too: each segment is its own varlen sequence, so others are never read.
-    model = tiny_model(backend, "t5").eval()
-    batch = collate(make_examples())
+    model = tiny_model(backend, "t5").to(kernel_device).eval()
+    batch = collate(make_examples(), kernel_device)
     changed = {name: tensor.clone() for name, tensor in batch.items()}
     row, segment = 0, 2
     encoder_positions = batch["segment_ids"][row] == segment

@@ -20,6 +20,7 @@ import torch
 import yaml
 from transformers import AutoModelForSeq2SeqLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from conftest import tiny_config
 from isolated import run_isolated
 from recipes import classify, predict, summarization, train, translation
 from recipes.runner import fine_tune
@@ -343,12 +344,12 @@ def test_deepspeed_and_fsdp_configs():
     from transformers import Seq2SeqTrainingArguments
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
-    from fat5 import FAT5Config, FAT5ForConditionalGeneration
+    from fat5 import FAT5ForConditionalGeneration
     from fat5.modeling_fat5 import FAT5PreTrainedModel
 
     # The bucket sizes are "auto": the Trainer derives them from the model's hidden size (d_model).
-    model = FAT5ForConditionalGeneration(FAT5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=1,
-                                                    num_heads=4, decoder_start_token_id=0))
+    model = FAT5ForConditionalGeneration(tiny_config(vocab_size=32, d_model=16, d_kv=4, num_layers=1,
+                                                     num_decoder_layers=1, decoder_start_token_id=0))
     for name, offload in [("ds_zero3_bf16.json", False), ("ds_zero3_offload_bf16.json", True)]:
         config = json.loads((CONFIGS / name).read_text())
         zero = config["zero_optimization"]

@@ -7,12 +7,12 @@ Without CUDA the kernel runs in Triton's interpreter (tests/conftest.py); output
 import pytest
 import torch
 
+from conftest import KERNEL_DEVICE
 from fat5.kernels import rms_norm as kernel_module
 from fat5.kernels.rms_norm import rms_norm
 from fat5.modeling_fat5 import FAT5LayerNorm
 from fat5.reference_fat5 import t5_rms_norm as rms_norm_reference
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
 
 
@@ -39,12 +39,12 @@ def close(actual, expected, dtype, name):
 @pytest.mark.parametrize("shape", [(3, 7, 37), (1, 64), (130, 24)])
 def test_outputs_and_gradients_match_fp64_reference(input_dtype, weight_dtype, shape):
     generator = torch.Generator().manual_seed(0)
-    x = (torch.randn(shape, generator=generator) * 3).to(DEVICE, input_dtype).requires_grad_()
-    weight = (1 + 0.3 * torch.randn(shape[-1], generator=generator)).to(DEVICE, weight_dtype).requires_grad_()
+    x = (torch.randn(shape, generator=generator) * 3).to(KERNEL_DEVICE, input_dtype).requires_grad_()
+    weight = (1 + 0.3 * torch.randn(shape[-1], generator=generator)).to(KERNEL_DEVICE, weight_dtype).requires_grad_()
     y = rms_norm(x, weight, EPS)
     expected_dtype = rms_norm_reference(x.detach(), weight.detach(), EPS).dtype
     assert y.dtype == expected_dtype and y.shape == x.shape
-    grad_y = torch.randn(y.shape, generator=generator).to(DEVICE, y.dtype)
+    grad_y = torch.randn(y.shape, generator=generator).to(KERNEL_DEVICE, y.dtype)
     grad_x, grad_weight = torch.autograd.grad(y, (x, weight), grad_y)
 
     x64 = x.detach().double().requires_grad_()
@@ -61,18 +61,18 @@ def test_outputs_and_gradients_match_fp64_reference(input_dtype, weight_dtype, s
 
 
 def test_module_matches_kernel_and_reference_on_non_contiguous_input():
-    norm = FAT5LayerNorm(40).to(DEVICE)
+    norm = FAT5LayerNorm(40).to(KERNEL_DEVICE)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
-    x = torch.randn(6, 3, 40, device=DEVICE).transpose(0, 1)  # rows not contiguous
+    x = torch.randn(6, 3, 40, device=KERNEL_DEVICE).transpose(0, 1)  # rows not contiguous
     expected = rms_norm_reference(x, norm.weight, norm.variance_epsilon)
     close(rms_norm(x, norm.weight, norm.variance_epsilon), expected.double(), torch.float32, "kernel")
     close(norm(x), expected.double(), torch.float32, "module")
 
 
 def test_op_compiles_in_one_graph():
-    x = torch.randn(5, 16, device=DEVICE, requires_grad=True)
-    weight = torch.ones(16, device=DEVICE, requires_grad=True)
+    x = torch.randn(5, 16, device=KERNEL_DEVICE, requires_grad=True)
+    weight = torch.ones(16, device=KERNEL_DEVICE, requires_grad=True)
     compiled = torch.compile(rms_norm, fullgraph=True, backend="aot_eager")
     compiled(x, weight, EPS).sum().backward()
     close(x.grad, torch.autograd.grad(rms_norm_reference(x, weight, EPS).sum(), x)[0].double(), torch.float32,

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from conftest import tiny_config
 from convert.demo import DEMO_CHECKPOINT
 from fat5 import FAT5Config, FAT5ForConditionalGeneration
 from fat5.remote_code_fat5 import AUTO_MAP, remote_code_files
@@ -87,9 +88,7 @@ with open(out_path, "w") as f:
 def scratch_model():
     """A model built from a config in a process where fat5 is installed, as a pretraining script does."""
     vocab = json.loads((DEMO_CHECKPOINT / "config.json").read_text())["vocab_size"]
-    config = FAT5Config(vocab_size=vocab, d_model=32, d_kv=8, d_ff=48, num_layers=1, num_decoder_layers=2,
-                        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=20,
-                        dropout_rate=0.0, feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+    config = tiny_config(vocab_size=vocab, num_layers=1)
     torch.manual_seed(0)
     model = FAT5ForConditionalGeneration(config).eval()
     with torch.no_grad():  # confident random weights, so generations differ between different models

@@ -354,10 +354,8 @@ def test_missing_triton_raises_a_clear_import_error(monkeypatch):
         importlib.import_module(kernel_module.__name__)
 
 
-# The fake output is empty_like(query), which keeps the strides of the transposed view the model passes, while the
-# real op returns a contiguous tensor: a compiled graph then views the real output with the fake layout and fails
-# (the whole-model compiled training step with more than one head). Strict: the fix makes this marker fail.
-@pytest.mark.xfail(strict=True, reason="fat5::flash_attention_forward's fake output strides differ from the real op's")
+# A compiled graph views the real output with the fake's layout: a fake that kept the strides of the transposed view
+# the model passes broke the whole-model compiled training step with more than one head.
 def test_fake_output_has_the_real_output_strides():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -576,7 +576,9 @@ def _flash_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
 def _(query, key, value, bias_lut, alibi_slopes, key_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
       max_seqlen_k, causal, q_offset, scale):
     varlen = cu_seqlens_q is not None
-    return torch.empty_like(query), query.new_empty(_lse_shape(query, varlen), dtype=torch.float32)
+    # Contiguous like the real op's output (not empty_like, which would keep a transposed query's strides and let a
+    # compiled graph view the real output with the wrong layout).
+    return query.new_empty(query.shape), query.new_empty(_lse_shape(query, varlen), dtype=torch.float32)
 
 
 @torch.library.custom_op("fat5::flash_attention_backward", mutates_args=())
@@ -623,7 +625,7 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
 def _(grad_out, query, key, value, out, lse, bias_lut, alibi_slopes, key_mask, cu_seqlens_q, cu_seqlens_k,
       max_seqlen_q, max_seqlen_k, causal, q_offset, scale):
     dlut = torch.empty_like(bias_lut) if bias_lut is not None else query.new_empty(1, dtype=torch.float32)
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dlut
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dlut
 
 
 def _setup_context(ctx, inputs, output):

@@ -132,13 +132,19 @@ class RunFolder:
     def opened(self, training_args=None):
         """Open for the run's lifetime. With `training_args` in a multi-process launch, the main process opens the
         folder (lock, checks, clean-up) before the others only read which checkpoint to resume."""
+        main_process = training_args is None or training_args.process_index == 0
+        created = main_process and not self.path.exists()
         with _main_process_first(training_args):
-            if training_args is None or training_args.process_index == 0:
+            if main_process:
                 self.open()
             else:
                 self._read_only_resume()
         try:
             yield self
+        except BaseException:
+            if created and not self._contents():
+                shutil.rmtree(self.path, ignore_errors=True)  # a run that failed before writing anything
+            raise
         finally:
             self.close()
 
@@ -154,7 +160,7 @@ class RunFolder:
         try:
             self._claim()
         except BaseException:
-            if created:
+            if created and not self._contents():  # (another run may have made the folder since)
                 shutil.rmtree(self.path, ignore_errors=True)
             self.close()
             raise
@@ -276,6 +282,8 @@ class RunFolder:
 
     def describe(self):
         """What the folder holds, in one phrase (for the Ctrl-C line)."""
+        if not self.path.is_dir():
+            return f"nothing was written to {self.path}"
         last = self.last_checkpoint() if self.run_id else None
         final = "the final model and " if self.finished else ""
         if last is None:

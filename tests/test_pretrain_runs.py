@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -79,7 +80,7 @@ def test_resume_is_exact_after_several_passes_over_the_corpus(tmp_path, capsys):
 
     tokenizer = AutoTokenizer.from_pretrained(whole)
     mixture = DenoisingMixture("t5", sentinel_token_ids(tokenizer), tokenizer.eos_token_id, 32, 32)
-    examples_a_pass = sum(1 for _ in DenoisingDataset(Documents([str(corpus)]), tokenizer, mixture)._pass(0, 0, 1))
+    examples_a_pass = sum(1 for _ in DenoisingDataset(Documents([str(corpus)]), tokenizer, mixture).pass_examples(0))
     assert 12 * 4 >= 2 * examples_a_pass  # the checkpoint at step 12 lies beyond the second pass
     assert 24 * 4 >= 4 * examples_a_pass
     assert pretrain_main([str(arg) for arg in (*flags, "--output_dir", resumed, "--resume_from_checkpoint",
@@ -98,6 +99,10 @@ def test_a_finished_run_is_never_replaced_or_continued_by_another(tiny, tmp_path
     assert pretrain_main(tiny_flags(tiny, out, 4)) == 0
     record = read_record(out)
     weights = (out / "model.safetensors").read_bytes()
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (out, out / "checkpoint-4", out / "model.safetensors", out / "checkpoint-4" / "model.safetensors"):
+        assert stat.S_IMODE(path.stat().st_mode) == (0o777 if path.is_dir() else 0o666) & ~umask, path
     line = one_error_line(capsys, tiny_flags(tiny, out, 4))
     assert "holds another run's results" in line and "checkpoint-4" in line and "--overwrite_output_dir" in line
     assert (out / "model.safetensors").read_bytes() == weights and read_record(out) == record

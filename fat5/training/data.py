@@ -183,21 +183,22 @@ class DenoisingDataset(torch.utils.data.IterableDataset):
         self.mixture = mixture
         self.seed = seed
 
-    def _pass(self, corpus_pass, shard, num_shards):
+    def pass_examples(self, corpus_pass, shard=0, num_shards=1):
+        """The examples of one pass over the documents of `shard` (of `num_shards`)."""
         texts = self.documents.shard(shard, num_shards)
         token_lists = (self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts)
         return self.mixture.examples(token_lists, seed=(self.seed, corpus_pass, shard))
 
     def first_example(self):
         """The stream's first example, or None when the corpus is too short to make one."""
-        return next(self._pass(0, 0, 1), None)
+        return next(self.pass_examples(0), None)
 
     def __iter__(self):
         worker = torch.utils.data.get_worker_info()
         shard, num_shards = (worker.id, worker.num_workers) if worker else (0, 1)
         for corpus_pass in itertools.count():
             made = False
-            for example in self._pass(corpus_pass, shard, num_shards):
+            for example in self.pass_examples(corpus_pass, shard, num_shards):
                 made = True
                 yield example
             if not made:

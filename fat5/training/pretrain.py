@@ -149,10 +149,7 @@ def given_tokenizer(args, prefixes, rows):
     if not (args.tokenizer or args.model_name_or_path):
         return None
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model_name_or_path)
-    if rows is None:
-        add_missing_tokens(tokenizer, prefixes, None, True)
-    else:
-        add_missing_tokens(tokenizer, prefixes, rows, args.resize_embeddings)
+    add_missing_tokens(tokenizer, prefixes, rows, rows is None or args.resize_embeddings)
     return tokenizer
 
 

@@ -213,13 +213,16 @@ class RunFolder:
         self.resume_checkpoint = self._resolve_resume()
 
     def _refusal(self, record, resume_here):
+        if record is None and resume_here:
+            return f"--output_dir {self.path} holds no record of a run to continue (written by another program or " \
+                   f"an older FAT5?); resume from one of its checkpoints into a new --output_dir"
         if record is None:
-            what = "files that are not a FAT5 run's" if not resume_here else "no record of a FAT5 run"
+            what, how = "files that are not a FAT5 run's", ""
         else:
             last = complete_checkpoints(self.path, record.get("run"))
             what = f"another run's results (started {record.get('started', '?')}; last complete checkpoint: " \
                    f"{last[-1].name if last else 'none'})"
-        how = "" if record is None else f"continue it with --resume_from_checkpoint {self.resume_flag}, or "
+            how = f"continue it with --resume_from_checkpoint {self.resume_flag}, or "
         return f"--output_dir {self.path} holds {what}; {how}pass --overwrite_output_dir to replace it, or " \
                f"choose another folder"
 

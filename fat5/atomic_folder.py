@@ -176,7 +176,8 @@ class StagedFolder:
     itself); None keeps nothing, so the new folder replaces the old one whole. Permissions follow the umask."""
 
     def __init__(self, target):
-        self.target = Path(target)
+        # A symlinked target is saved where it points: the link stays, the folder behind it is replaced.
+        self.target = Path(target).resolve() if os.path.islink(target) else Path(target)
         self.path = None
         self._lock = None
 

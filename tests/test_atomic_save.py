@@ -124,3 +124,13 @@ def test_saves_follow_the_umask(tmp_path, umask):
     for path in target.iterdir():
         # model.safetensors included, which safetensors writes 0600 whatever the umask
         assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path.name
+
+
+def test_a_symlinked_folder_is_saved_where_it_points(tmp_path):
+    real = tmp_path / "real"
+    tiny_model(0).save_pretrained(real)
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    new = tiny_model(1)
+    new.save_pretrained(tmp_path / "link")
+    assert (tmp_path / "link").is_symlink() and same_weights(real, new)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["link", "real"]

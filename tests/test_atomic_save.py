@@ -1,4 +1,4 @@
-"""Saving a FAT5 over an existing folder replaces it in one step (fat5/atomic_folder.py): at every instant the
+"""Saving a FAT5 over an existing folder replaces it in one step (fat5/remote_code_fat5.py): at every instant the
 folder holds the complete old save or the complete new one, an interrupted save leaves it as it was and its
 staging folder is removed by the next save, no stale weight file survives, and permissions follow the umask."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fat5 import FAT5Config, FAT5ForConditionalGeneration, atomic_folder
-from fat5.atomic_folder import StagedFolder, remove_stale_staging
+from fat5 import FAT5Config, FAT5ForConditionalGeneration, remote_code_fat5
+from fat5.remote_code_fat5 import StagedFolder, remove_stale_staging
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_heads=4, num_layers=1)
@@ -40,7 +40,7 @@ def same_weights(folder, model):
 @pytest.mark.parametrize("exchange_available", [True, False], ids=["renameat2-exchange", "two-renames"])
 def test_resaving_replaces_the_folder_in_one_step(tmp_path, monkeypatch, exchange_available):
     if not exchange_available:
-        monkeypatch.setattr(atomic_folder, "exchange", lambda first, second: False)
+        monkeypatch.setattr(remote_code_fat5, "exchange", lambda first, second: False)
     target = tmp_path / "model"
     old, new = tiny_model(0), tiny_model(1)
     old.save_pretrained(target)
@@ -62,12 +62,12 @@ def test_resaving_replaces_the_folder_in_one_step(tmp_path, monkeypatch, exchang
 
 KILLED_BEFORE_THE_SWAP = """
 import os, signal, sys, torch
-from fat5 import FAT5Config, FAT5ForConditionalGeneration, atomic_folder
+from fat5 import FAT5Config, FAT5ForConditionalGeneration, remote_code_fat5
 
 def killed(source, target):  # the moment after the new save is complete, before it is put in place
     os.kill(os.getpid(), signal.SIGKILL)
 
-atomic_folder.put_in_place = killed
+remote_code_fat5.put_in_place = killed
 torch.manual_seed(1)
 FAT5ForConditionalGeneration(FAT5Config(**eval(sys.argv[2]))).save_pretrained(sys.argv[1])
 """

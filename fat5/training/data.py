@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from convert.cli import CommandError
-from fat5.atomic_folder import StagedFolder
+from fat5.remote_code_fat5 import StagedFolder
 
 from .denoising import sentinel_token_ids
 

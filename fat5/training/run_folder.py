@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from convert.cli import CommandError
-from fat5.atomic_folder import put_in_place, remove_stale_staging
+from fat5.remote_code_fat5 import put_in_place, remove_stale_staging
 
 RECORD_NAME = "fat5_run.json"
 LOCK_NAME = ".fat5_run.lock"

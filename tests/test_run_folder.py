@@ -108,6 +108,9 @@ def test_a_folder_holding_another_run_is_refused_unless_resumed_or_overwritten(t
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(CommandError, match="holds files that are not a FAT5 run's"):
         RunFolder(tmp_path / "mine").open()
+    with pytest.raises(CommandError, match="holds no record of a run to continue"):
+        RunFolder(tmp_path / "mine", "last").open()
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     with RunFolder(out).opened():
         pass
 

@@ -2,19 +2,19 @@
 sentencepiece model trained on the corpus with T5's sentinels), and the stream of denoising examples."""
 
 import glob
+import itertools
 import json
 import os
 from pathlib import Path
 
 import torch
 
+from convert.cli import CommandError
+from fat5.remote_code_fat5 import StagedFolder
+
 from .denoising import sentinel_token_ids
 
 NUM_SENTINELS = 100  # T5's extra_ids
-
-
-class PretrainError(Exception):
-    """Bad input to the pretraining command: reported as one line, with a non-zero exit."""
 
 
 def corpus_files(patterns):
@@ -27,26 +27,40 @@ def corpus_files(patterns):
         else:
             found = sorted(Path(p) for p in glob.glob(pattern)) if glob.has_magic(pattern) else [path]
         if not found or not all(p.is_file() for p in found):
-            raise PretrainError(f"no corpus file at {pattern!r}")
+            raise CommandError(f"no corpus file at {pattern!r}")
         files += found
     return files
 
 
+def _text(value, where, text_field):
+    if not isinstance(value, str):
+        raise CommandError(f"{where}: the {text_field!r} field is {type(value).__name__} {json.dumps(value)[:40]}, "
+                           f"not text")
+    return value
+
+
 def _file_documents(path, text_field):
-    with open(path, encoding="utf-8") as file:
-        if path.suffix not in (".jsonl", ".json"):
-            yield from file  # plain text: one document a line
-            return
-        for number, line in enumerate(file, 1):
+    """The documents of one corpus file: each line of a text file, the `text_field` of each JSONL line. Read as
+    bytes and decoded line by line, so an error names the line."""
+    with open(path, "rb") as file:
+        for number, raw in enumerate(file, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise CommandError(f"{path}:{number} is not UTF-8 text (byte {raw[error.start]:#04x} at column "
+                                   f"{error.start + 1}); convert the file to UTF-8") from None
+            if path.suffix not in (".jsonl", ".json"):
+                yield line  # plain text: one document a line
+                continue
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise PretrainError(f"{path}:{number} is not a JSON line ({error.msg})") from None
+                raise CommandError(f"{path}:{number} is not a JSON line ({error.msg})") from None
             if not isinstance(record, dict) or text_field not in record:
-                raise PretrainError(f"{path}:{number} has no {text_field!r} field (set --text_field)")
-            yield record[text_field]
+                raise CommandError(f"{path}:{number} has no {text_field!r} field (set --text_field)")
+            yield _text(record[text_field], f"{path}:{number}", text_field)
 
 
 class Documents:
@@ -62,22 +76,22 @@ class Documents:
             try:
                 import datasets
             except ImportError:
-                raise PretrainError("--dataset_name needs the datasets library: pip install 'fat5[pretrain]'") from None
+                raise CommandError("--dataset_name needs the datasets library: pip install 'fat5[pretrain]'") from None
             try:
                 self.dataset = datasets.load_dataset(dataset_name, dataset_config, split=split, streaming=True)
             except (OSError, ValueError) as error:  # offline, unknown name, config or split
-                raise PretrainError(f"cannot stream the dataset {dataset_name!r}: {error}") from None
+                raise CommandError(f"cannot stream the dataset {dataset_name!r}: {error}") from None
         if not self.files and self.dataset is None:
-            raise PretrainError("no corpus: pass --train_files or --dataset_name")
+            raise CommandError("no corpus: pass --train_files or --dataset_name")
 
     def _raw(self):
         for path in self.files:
             yield from _file_documents(path, self.text_field)
         if self.dataset is not None:
-            for record in self.dataset:
+            for number, record in enumerate(self.dataset, 1):
                 if self.text_field not in record:
-                    raise PretrainError(f"the dataset has no {self.text_field!r} column (set --text_field)")
-                yield record[self.text_field]
+                    raise CommandError(f"the dataset has no {self.text_field!r} column (set --text_field)")
+                yield _text(record[self.text_field], f"row {number} of the dataset", self.text_field)
 
     def __iter__(self):
         return self.shard(0, 1)
@@ -90,7 +104,7 @@ class Documents:
 
     def check_not_empty(self):
         if next(iter(self), None) is None:
-            raise PretrainError("the corpus is empty: no document with any text")
+            raise CommandError("the corpus is empty: no document with any text")
 
 
 def train_sentencepiece(documents, folder, vocab_size, max_documents):
@@ -101,24 +115,37 @@ def train_sentencepiece(documents, folder, vocab_size, max_documents):
     from transformers import AutoTokenizer
 
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    sample = (text for _, text in zip(range(max_documents), documents))
-    try:
-        # No byte_fallback: transformers' fast T5 tokenizer does not implement it (as T5, rare characters -> <unk>).
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=sample, model_prefix=str(folder / "spiece"), vocab_size=vocab_size,
-            model_type="unigram", character_coverage=0.9995, split_digits=True, pad_id=0,
-            eos_id=1, unk_id=2, bos_id=-1, pad_piece="<pad>", eos_piece="</s>", unk_piece="<unk>",
-            hard_vocab_limit=False, minloglevel=2, num_threads=os.cpu_count() or 1)
-    except RuntimeError as error:
-        raise PretrainError(f"sentencepiece could not train a tokenizer: {str(error).splitlines()[-1]}") from None
-    (folder / "spiece.vocab").unlink(missing_ok=True)
-    # add_prefix_space: transformers 4.57's converter otherwise drops the "▁" before the first word.
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "T5Tokenizer", "extra_ids": NUM_SENTINELS, "add_prefix_space": True, "legacy": True}))
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return tokenizer
+    failures = []
+
+    def sample():
+        # sentencepiece turns an error of the iterator into a RuntimeError holding a traceback: keep ours.
+        try:
+            yield from itertools.islice(documents, max_documents)
+        except CommandError as error:
+            failures.append(error)
+
+    with StagedFolder(folder) as staging:  # an interrupted training leaves no half-written tokenizer
+        try:
+            # No byte_fallback: transformers' fast T5 tokenizer does not implement it (as T5, rare characters ->
+            # <unk>).
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=sample(), model_prefix=str(staging.path / "spiece"), vocab_size=vocab_size,
+                model_type="unigram", character_coverage=0.9995, split_digits=True, pad_id=0,
+                eos_id=1, unk_id=2, bos_id=-1, pad_piece="<pad>", eos_piece="</s>", unk_piece="<unk>",
+                hard_vocab_limit=False, minloglevel=2, num_threads=os.cpu_count() or 1)
+        except RuntimeError as error:
+            raise failures[0] if failures else CommandError(
+                f"sentencepiece could not train a tokenizer: {str(error).splitlines()[-1]}") from None
+        if failures:
+            raise failures[0]
+        (staging.path / "spiece.vocab").unlink(missing_ok=True)
+        # add_prefix_space: transformers 4.57's converter otherwise drops the "▁" before the first word.
+        (staging.path / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "T5Tokenizer", "extra_ids": NUM_SENTINELS, "add_prefix_space": True,
+             "legacy": True}))
+        AutoTokenizer.from_pretrained(staging.path).save_pretrained(staging.path)
+        staging.commit()
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def add_missing_tokens(tokenizer, prefixes, rows, may_grow):
@@ -128,7 +155,7 @@ def add_missing_tokens(tokenizer, prefixes, rows, may_grow):
     grow it. Returns the sentinel ids."""
     if not sentinel_token_ids(tokenizer):
         if rows is not None and len(tokenizer) + NUM_SENTINELS > rows and not may_grow:
-            raise PretrainError(
+            raise CommandError(
                 f"the tokenizer has no sentinel tokens (<extra_id_0>, ...) and the model's {rows} embedding rows "
                 f"have no room for {NUM_SENTINELS} more after its {len(tokenizer)} tokens; pass "
                 f"--resize_embeddings to grow them, or use a tokenizer with sentinels")
@@ -141,23 +168,38 @@ def add_missing_tokens(tokenizer, prefixes, rows, may_grow):
 
 
 class DenoisingDataset(torch.utils.data.IterableDataset):
-    """Endless-per-epoch stream of {"input_ids", "labels"} examples: documents are tokenised on the fly (no EOS;
-    the denoiser adds it) and cut and corrupted by `mixture` (a `DenoisingMixture`). Deterministic for a seed and
-    epoch; with DataLoader workers, each reads its own share of the documents."""
+    """Endless stream of {"input_ids", "labels"} examples: documents are tokenised on the fly (no EOS; the
+    denoiser adds it) and cut and corrupted by `mixture` (a `DenoisingMixture`), pass after pass over the corpus.
+
+    The stream is a deterministic function of the seed: pass p over the documents of shard s draws its examples
+    with the seed (seed, p, s). Being endless, it is one epoch to Trainer, which resumes it exactly by skipping
+    the batches already trained on, whatever the number of passes behind (a finite stream would be restarted by
+    Trainer at the wrong pass). With DataLoader workers, each reads its own share of the documents; a worker
+    whose share makes no example stops."""
 
     def __init__(self, documents, tokenizer, mixture, seed=0):
         self.documents = documents
         self.tokenizer = tokenizer
         self.mixture = mixture
         self.seed = seed
-        self.epoch = 0
 
-    def set_epoch(self, epoch):
-        self.epoch = epoch
+    def pass_examples(self, corpus_pass, shard=0, num_shards=1):
+        """The examples of one pass over the documents of `shard` (of `num_shards`)."""
+        texts = self.documents.shard(shard, num_shards)
+        token_lists = (self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts)
+        return self.mixture.examples(token_lists, seed=(self.seed, corpus_pass, shard))
+
+    def first_example(self):
+        """The stream's first example, or None when the corpus is too short to make one."""
+        return next(self.pass_examples(0), None)
 
     def __iter__(self):
         worker = torch.utils.data.get_worker_info()
         shard, num_shards = (worker.id, worker.num_workers) if worker else (0, 1)
-        texts = self.documents.shard(shard, num_shards)
-        token_lists = (self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts)
-        yield from self.mixture.examples(token_lists, seed=(self.seed, self.epoch, shard))
+        for corpus_pass in itertools.count():
+            made = False
+            for example in self.pass_examples(corpus_pass, shard, num_shards):
+                made = True
+                yield example
+            if not made:
+                return

@@ -209,7 +209,7 @@ def corrupt(tokens, mask, sentinel_ids, eos_token_id, prefix_id=None, use_sentin
     labels = []
     span = -1
     previous = False
-    for token, is_noise in zip(tokens, mask):
+    for token, is_noise in zip(tokens, mask, strict=True):
         if is_noise and not previous and use_sentinels:
             span += 1
             if span >= len(sentinel_ids):
@@ -263,7 +263,7 @@ class DenoisingMixture:
         mask = noise_mask(denoiser, len(tokens), rng)
         return dict(zip(("input_ids", "labels"), corrupt(
             tokens, mask, self.sentinel_ids, self.eos_token_id, self.prefix_ids.get(denoiser.prefix),
-            use_sentinels=denoiser.kind != RANDOM_PREFIX)))
+            use_sentinels=denoiser.kind != RANDOM_PREFIX), strict=True))
 
     def examples(self, documents, seed=0):
         """Yields examples from an iterable of token-id lists (one a document). Each example takes the next raw

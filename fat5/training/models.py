@@ -3,9 +3,8 @@
 import json
 from pathlib import Path
 
+from convert.cli import CommandError, error_line
 from fat5 import FAT5Config, FAT5ForConditionalGeneration
-
-from .data import PretrainError
 
 # T5 v1.1 shapes (gated-GELU, untied LM head); dropout off for pretraining, as nanoT5 and FAT5 do.
 T5_V1_1 = dict(d_kv=64, feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0)
@@ -23,39 +22,61 @@ def _read_config_json(path):
     try:
         return json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:
-        raise PretrainError(f"cannot read the model config {path}: {error}") from None
+        raise CommandError(f"cannot read the model config {path}: {error}") from None
 
 
-def new_model(config, tokenizer, z_loss):
-    """A randomly initialised FAT5 from a preset name or a config.json (a file, or a folder holding one), with its
-    vocabulary sized for `tokenizer` (rounded up to a multiple of 128) and T5's special ids from it."""
+def model_fields(config):
+    """The config fields of a new model from a preset name or a config.json (a file, or a folder holding one),
+    checked by building the config (so a bad one is refused before anything is trained)."""
     if config in PRESETS:
         fields = dict(PRESETS[config])
     else:
         path = Path(config)
         fields = _read_config_json(path / "config.json" if path.is_dir() else path)
+        if not isinstance(fields, dict):
+            raise CommandError(f"bad model config {config}: not a JSON object")
         for key in NOT_MODEL_FIELDS:
             fields.pop(key, None)
+    _config(fields, config)
+    return fields
+
+
+def _config(fields, name):
+    try:
+        return FAT5Config(**fields)
+    except (TypeError, ValueError) as error:
+        raise CommandError(f"bad model config {name}: {error_line(error)}") from None
+
+
+def new_model(config, tokenizer, z_loss):
+    """A randomly initialised FAT5 from `model_fields(config)`, with its vocabulary sized for `tokenizer` (rounded
+    up to a multiple of 128) and T5's special ids from it."""
+    fields = model_fields(config)
     fields.update(vocab_size=-(-len(tokenizer) // 128) * 128, pad_token_id=tokenizer.pad_token_id,
                   eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id)
     if z_loss is not None:
         fields["z_loss"] = z_loss
-    try:
-        return FAT5ForConditionalGeneration(FAT5Config(**fields))
-    except (TypeError, ValueError) as error:
-        raise PretrainError(f"bad model config {config}: {error}") from None
+    return FAT5ForConditionalGeneration(_config(fields, config))
+
+
+def checkpoint_config(folder):
+    """The config.json of a FAT5 checkpoint folder to continue pretraining (converted, or saved by this
+    command); anything else is an error."""
+    config_file = Path(folder) / "config.json"
+    if not config_file.is_file():
+        raise CommandError(f"{folder} is not a model folder (no config.json)")
+    config = _read_config_json(config_file)
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type != FAT5Config.model_type:
+        raise CommandError(f"{folder} is not a FAT5 checkpoint (model_type {model_type!r}); convert it first: "
+                           f"python -m convert.flan_to_fat5 {folder} OUT")
+    return config
 
 
 def load_checkpoint(folder, z_loss):
-    """A FAT5 checkpoint folder (converted, or saved by this command) to continue pretraining, loaded with the
-    installed FAT5 code (so training uses this version's kernels and packing). Anything else is an error."""
-    config_file = Path(folder) / "config.json"
-    if not config_file.is_file():
-        raise PretrainError(f"{folder} is not a model folder (no config.json)")
-    model_type = _read_config_json(config_file).get("model_type")
-    if model_type != FAT5Config.model_type:
-        raise PretrainError(f"{folder} is not a FAT5 checkpoint (model_type {model_type!r}); convert it first: "
-                            f"python -m convert.flan_to_fat5 {folder} OUT")
+    """The checkpoint `checkpoint_config` accepted, loaded with the installed FAT5 code (so training uses this
+    version's kernels and packing)."""
+    checkpoint_config(folder)
     model = FAT5ForConditionalGeneration.from_pretrained(folder)
     if z_loss is not None:
         model.config.z_loss = z_loss
@@ -68,3 +89,26 @@ def fit_embeddings(model, tokenizer):
     rows = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > rows:
         model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=128)
+
+
+def check_checkpoint_shapes(model, checkpoint):
+    """Refuse to resume from a checkpoint whose weights do not fit `model` (another config, preset or vocabulary):
+    compares the shapes in its safetensors headers with the model's, before Trainer loads anything."""
+    from safetensors import safe_open
+
+    files = sorted(Path(checkpoint).glob("model*.safetensors"))
+    if not files:
+        return  # not saved as safetensors: Trainer's own loading reports it
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    for file in files:
+        with safe_open(file, framework="pt") as weights:
+            for name in weights.keys():
+                shape = tuple(weights.get_slice(name).get_shape())
+                if name in expected and shape != expected[name]:
+                    raise CommandError(
+                        f"--resume_from_checkpoint {checkpoint} holds a model of another shape ({name} is "
+                        f"{list(shape)} there, {list(expected[name])} in this run's model): resume with the flags "
+                        f"it was trained with")
+                if name not in expected:
+                    raise CommandError(f"--resume_from_checkpoint {checkpoint} holds a weight this run's model "
+                                       f"lacks ({name}): resume with the flags it was trained with")

@@ -223,7 +223,8 @@ class TokenBudgetBatchSampler(torch.utils.data.Sampler):
     many as fit `max_tokens` once padded (examples × longest). `lengths[i]` is example i's token count (e.g. input
     plus target length). Each epoch shuffles, sorts within windows of `window` examples (so batches stay random
     across the corpus), cuts, and shuffles the batches. A larger window pads less: on 20,000 lognormal lengths
-    with 8192-token batches, windows of 1,000 / 5,000 / 20,000 give 21% / 6% / 2% padding (random batches: 83%). `padding_fraction` is that of the current epoch's batches.
+    with 8192-token batches, windows of 1,000 / 5,000 / 20,000 give 21% / 6% / 2% padding (random batches: 83%).
+    `padding_fraction` is that of the current epoch's batches.
     Use with `DataLoader(dataset, batch_sampler=...)`; call `set_epoch` for a new order."""
 
     def __init__(self, lengths, max_tokens, window=10000, shuffle=True, seed=0):

@@ -13,27 +13,50 @@ name), so it may be larger than memory. Each example draws a denoiser of the --m
 document that fits --max_input_length/--max_target_length once corrupted, and examples are packed into rows with
 no attention between them (--per_device_train_batch_size counts examples; rows hold several each). Every
 `TrainingArguments` flag of transformers works (accelerate, --deepspeed, --fsdp, --gradient_accumulation_steps,
---save_steps, --resume_from_checkpoint ...). Defaults that differ from `Trainer`'s: cosine schedule, logging every
-10 steps, and the learning rate follows --optimizer (2e-2 with adamw_scale, nanoT5's recipe; 1e-4 with AdamW)
-unless --learning_rate is given. Checkpoints and the final --output_dir are FAT5 folders with the tokenizer.
+--save_steps, --resume_from_checkpoint ...); the defaults that differ from `Trainer`'s are in DEFAULTS below.
+Checkpoints and the final --output_dir are FAT5 folders with the tokenizer. --output_dir belongs to this run
+(fat5/training/run_folder.py): a folder holding another run is refused unless resumed (--resume_from_checkpoint
+latest) or replaced (--overwrite_output_dir), checkpoints are written atomically, and `latest` resumes exactly,
+after any number of passes over the corpus.
 """
 
 import argparse
 import inspect
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import AutoTokenizer, DataCollatorForSeq2Seq, HfArgumentParser, TrainingArguments, set_seed
+from transformers.utils.logging import disable_progress_bar
 
-from .data import DenoisingDataset, Documents, PretrainError, add_missing_tokens, train_sentencepiece
+from convert.cli import EXIT_BAD_INPUT, CommandError, error_line, exit_with, run
+
+from .data import DenoisingDataset, Documents, add_missing_tokens, train_sentencepiece
 from .denoising import MIXTURES, DenoisingMixture, sentinel_token_ids
-from .models import PRESETS, fit_embeddings, load_checkpoint, new_model
+from .models import (
+    PRESETS,
+    check_checkpoint_shapes,
+    checkpoint_config,
+    fit_embeddings,
+    load_checkpoint,
+    model_fields,
+    new_model,
+)
 from .optim import AdamWScale
 from .packing import PackedSeq2SeqCollator
+from .run_folder import OverwriteOutputDirArgument, RunFolder
 from .trainer import PretrainTrainer
 
-DEFAULT_LR = {"adamw_scale": 2e-2, "adamw": 1e-4}
+# Every pretraining default that is not a flag's own: TrainingArguments' values changed here, and those that
+# depend on the start (a new model follows nanoT5 and FAT5; a converted checkpoint continues with AdamW and
+# keeps its z-loss). --help, the docstring and the README quote these.
+DEFAULTS = {
+    "trainer": dict(lr_scheduler_type="cosine", logging_steps=10, report_to="none"),
+    "optimizer": {"new model": "adamw_scale", "checkpoint": "adamw"},
+    "learning_rate": {"adamw_scale": 2e-2, "adamw": 1e-4},  # nanoT5's recipe; AdamW's usual fine-tuning rate
+    "z_loss": {"new model": 1e-4, "checkpoint": None},  # None: the checkpoint's own
+}
 
 
 USAGE = """python -m fat5.training.pretrain (--train_files FILE [FILE ...] | --dataset_name NAME)
@@ -75,12 +98,15 @@ class PretrainArguments:
         "help": "adamw_scale (nanoT5's AdamW scaled by parameter RMS; auto for a new model) or adamw (Trainer's "
                 "--optim; auto when continuing)", "choices": ["auto", "adamw_scale", "adamw"]})
     z_loss: float = field(default=None, metadata={
-        "help": "z-loss coefficient (default: 1e-4 for a new model, the checkpoint's when continuing)"})
+        "help": f"z-loss coefficient (default: {DEFAULTS['z_loss']['new model']:g} for a new model, the "
+                f"checkpoint's when continuing)"})
 
 
-class TrainerOptions(TrainingArguments):
-    _argument_group_name = "TrainingArguments options (transformers; defaults changed here: lr_scheduler_type, " \
-                           "logging_steps, report_to, learning_rate)"
+@dataclass
+class TrainerOptions(TrainingArguments, OverwriteOutputDirArgument):
+    _argument_group_name = (
+        f"TrainingArguments options (transformers; defaults changed here: {', '.join(DEFAULTS['trainer'])}, "
+        f"learning_rate ({', '.join(f'{rate:g} with {name}' for name, rate in DEFAULTS['learning_rate'].items())}))")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -92,29 +118,68 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
+class Parser(HfArgumentParser):
+    def error(self, message):
+        # One line, no usage dump (convert/cli.py's convention).
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def parse_args(argv):
-    parser = HfArgumentParser((PretrainArguments, TrainerOptions), usage=USAGE, description=__doc__,
-                              formatter_class=HelpFormatter)
-    parser.set_defaults(lr_scheduler_type="cosine", logging_steps=10, report_to="none")
-    args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    args.learning_rate_given = any(a.split("=")[0] in ("--learning_rate", "--learning-rate") for a in argv)
+    """The two dataclasses, with DEFAULTS applied: the start-dependent ones once the start is known."""
+    parser = Parser((PretrainArguments, TrainerOptions), usage=USAGE, description=__doc__,
+                    formatter_class=HelpFormatter)
+    parser.set_defaults(**DEFAULTS["trainer"])
+    try:
+        args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    except ValueError as error:  # TrainingArguments' own checks, e.g. --bf16 without a GPU or --use_cpu
+        raise CommandError(error_line(error)) from None
+    start = "checkpoint" if args.model_name_or_path else "new model"
+    if args.optimizer == "auto":
+        args.optimizer = DEFAULTS["optimizer"][start]
+    if not any(arg.split("=")[0] in ("--learning_rate", "--learning-rate") for arg in argv):
+        training_args.learning_rate = DEFAULTS["learning_rate"][args.optimizer]
+    if args.z_loss is None:
+        args.z_loss = DEFAULTS["z_loss"][start]
     return args, training_args
 
 
-def tokenizer_for(args, training_args, documents, prefixes, model):
-    """The tokenizer (the checkpoint's, --tokenizer, or one trained on the corpus), with sentinels and prefixes."""
-    if model is not None:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model_name_or_path)
-        add_missing_tokens(tokenizer, prefixes, model.get_input_embeddings().weight.shape[0], args.resize_embeddings)
-        return tokenizer
+def given_tokenizer(args, prefixes, rows):
+    """The checkpoint's tokenizer or --tokenizer, with sentinels and prefixes (None: one is trained on the corpus).
+    `rows` is the checkpoint's embedding size (None for a new model)."""
+    if not (args.tokenizer or args.model_name_or_path):
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model_name_or_path)
+    add_missing_tokens(tokenizer, prefixes, rows, rows is None or args.resize_embeddings)
+    return tokenizer
+
+
+def trained_tokenizer(args, training_args, documents, prefixes):
+    """A sentencepiece tokenizer trained on the corpus into OUTPUT_DIR/tokenizer, or reused from there."""
     trained = Path(training_args.output_dir) / "tokenizer"
-    if args.tokenizer or (trained / "tokenizer_config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or trained)
+    if (trained / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(trained)
     else:
         print(f"training a {args.tokenizer_vocab_size}-token sentencepiece tokenizer into {trained}")
         tokenizer = train_sentencepiece(documents, trained, args.tokenizer_vocab_size, args.tokenizer_train_documents)
     add_missing_tokens(tokenizer, prefixes, None, True)
     return tokenizer
+
+
+def denoising_dataset(args, training_args, documents, tokenizer):
+    """The stream of examples, refused when the corpus cannot make one."""
+    denoisers = MIXTURES[args.mixture]
+    prefixes = sorted({denoiser.prefix for denoiser, _ in denoisers if denoiser.prefix})
+    try:
+        mixture = DenoisingMixture(denoisers, sentinel_token_ids(tokenizer),
+                                   tokenizer.eos_token_id, args.max_input_length, args.max_target_length,
+                                   {prefix: tokenizer.convert_tokens_to_ids(prefix) for prefix in prefixes})
+    except ValueError as error:
+        raise CommandError(error) from None
+    dataset = DenoisingDataset(documents, tokenizer, mixture, seed=training_args.data_seed or training_args.seed)
+    if dataset.first_example() is None:
+        raise CommandError("the corpus is too small to make one training example: every document has fewer than 2 "
+                           "tokens")
+    return dataset
 
 
 class OneExampleARow(DataCollatorForSeq2Seq):
@@ -130,7 +195,7 @@ class OneExampleARow(DataCollatorForSeq2Seq):
 def collator(args, model, tokenizer):
     supported = "segment_ids" in inspect.signature(model.forward).parameters
     if args.packing == "on" and not supported:
-        raise PretrainError("this FAT5 version's forward has no segment_ids, so it cannot train on packed rows; "
+        raise CommandError("this FAT5 version's forward has no segment_ids, so it cannot train on packed rows; "
                             "use --packing off")
     if args.packing == "off" or not supported:
         return OneExampleARow(tokenizer, model=model, label_pad_token_id=-100, pad_to_multiple_of=8)
@@ -139,67 +204,90 @@ def collator(args, model, tokenizer):
 
 
 def optimizer_cls_and_kwargs(args, training_args):
-    name = args.optimizer if args.optimizer != "auto" else "adamw" if args.model_name_or_path else "adamw_scale"
-    if not args.learning_rate_given:
-        training_args.learning_rate = DEFAULT_LR[name]
-    if name == "adamw":
+    if args.optimizer == "adamw":
         return None  # Trainer's own, from --optim
     return AdamWScale, dict(lr=training_args.learning_rate, betas=(training_args.adam_beta1, training_args.adam_beta2),
                             eps=training_args.adam_epsilon, weight_decay=training_args.weight_decay)
 
 
-def run(args, training_args):
+@contextmanager
+def worker_errors_as_one_line():
+    """A data error raised in a DataLoader worker reaches the main process re-raised by torch with the worker's
+    traceback inside its message; keep the original message only."""
+    try:
+        yield
+    except CommandError as error:
+        text = str(error)
+        if "Original Traceback" not in text:
+            raise
+        raise CommandError(text.strip().splitlines()[-1].split(": ", 1)[-1]) from None
+
+
+def pretrain(argv, progress):
+    """The command (run by convert.cli.run). Every input is checked before anything is written and before the
+    model loads, except what only the corpus can tell (a trained tokenizer, the data after the first example)."""
+    argv = sys.argv[1:] if argv is None else argv
+    args, training_args = parse_args(argv)
     if training_args.max_steps <= 0:
-        raise PretrainError("a streamed corpus has no length: pass --max_steps")
-    resume = training_args.resume_from_checkpoint
-    if resume and resume != "latest" and not Path(resume).is_dir():
-        raise PretrainError(f"no checkpoint folder at --resume_from_checkpoint {resume}")
+        raise CommandError("a streamed corpus has no length: pass --max_steps")
     documents = Documents(args.train_files or (), args.text_field, args.dataset_name, args.dataset_config_name,
                           args.dataset_split)
     documents.check_not_empty()
-    denoisers = MIXTURES[args.mixture]
-    prefixes = sorted({denoiser.prefix for denoiser, _ in denoisers if denoiser.prefix})
-    model = load_checkpoint(args.model_name_or_path, args.z_loss) if args.model_name_or_path else None
-    with training_args.main_process_first(desc="tokenizer"):  # one process trains it, the others load it
-        tokenizer = tokenizer_for(args, training_args, documents, prefixes, model)
-    try:
-        mixture = DenoisingMixture(denoisers, sentinel_token_ids(tokenizer),
-                                   tokenizer.eos_token_id, args.max_input_length, args.max_target_length,
-                                   {prefix: tokenizer.convert_tokens_to_ids(prefix) for prefix in prefixes})
-    except ValueError as error:
-        raise PretrainError(error) from None
-    if model is None:
+    prefixes = sorted({denoiser.prefix for denoiser, _ in MIXTURES[args.mixture] if denoiser.prefix})
+    if args.model_name_or_path:
+        rows = checkpoint_config(args.model_name_or_path).get("vocab_size")
+    else:
+        rows = None
+        model_fields(args.config)
+    tokenizer = given_tokenizer(args, prefixes, rows)
+    dataset = None if tokenizer is None else denoising_dataset(args, training_args, documents, tokenizer)
+    run_folder = RunFolder(training_args.output_dir, training_args.resume_from_checkpoint,
+                           overwrite=training_args.overwrite_output_dir, resume_flag="latest",
+                           command=["python", "-m", "fat5.training.pretrain", *argv])
+    with run_folder.opened(training_args):
+        progress.describe = run_folder.describe
+        if tokenizer is None:
+            with training_args.main_process_first(desc="tokenizer"):  # one process trains it, the others load it
+                tokenizer = trained_tokenizer(args, training_args, documents, prefixes)
+            dataset = denoising_dataset(args, training_args, documents, tokenizer)
+        train(args, training_args, tokenizer, dataset, run_folder)
+
+
+def train(args, training_args, tokenizer, dataset, run_folder):
+    if args.model_name_or_path:
+        model = load_checkpoint(args.model_name_or_path, args.z_loss)
+    else:
         set_seed(training_args.seed)  # a reproducible initialisation
-        model = new_model(args.config, tokenizer, 1e-4 if args.z_loss is None else args.z_loss)
+        model = new_model(args.config, tokenizer, args.z_loss)
     fit_embeddings(model, tokenizer)
+    if run_folder.resume_checkpoint:
+        check_checkpoint_shapes(model, run_folder.resume_checkpoint)
     say = print if training_args.process_index == 0 else (lambda *_: None)
+    mixture = dataset.mixture
     say(f"FAT5 with {model.num_parameters() / 1e6:.1f}M parameters, vocabulary {len(tokenizer)}; denoisers "
-          + ", ".join(f"{d} {p:g} ({n} raw tokens)" for (d, p), n in zip(denoisers, mixture.raw_lengths)))
+          + ", ".join(f"{d} {p:g} ({n} raw tokens)"
+                      for d, p, n in zip(mixture.denoisers, mixture.proportions, mixture.raw_lengths, strict=True)))
     data_collator = collator(args, model, tokenizer)
     say("batches:", "one example a row" if isinstance(data_collator, OneExampleARow) else "packed rows")
     if training_args.accelerator_config.dispatch_batches is None:
         # Packed batches differ in rows, which accelerate cannot split after the fact: every process reads the
         # stream and collates its own share of the examples instead.
         training_args.accelerator_config.dispatch_batches = False
-    dataset = DenoisingDataset(documents, tokenizer, mixture, seed=training_args.data_seed or training_args.seed)
     trainer = PretrainTrainer(model=model, args=training_args, processing_class=tokenizer, train_dataset=dataset,
                               data_collator=data_collator,
                               optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(args, training_args))
-    trainer.train(resume_from_checkpoint=True if resume == "latest" else resume)
+    if training_args.disable_tqdm:
+        disable_progress_bar()  # transformers' own bars too (writing checkpoint shards)
+    with worker_errors_as_one_line():
+        trainer.train(resume_from_checkpoint=run_folder.resume_checkpoint)
     trainer.save_model(training_args.output_dir)
+    run_folder.finished = True
     say(f"saved the model and tokenizer to {training_args.output_dir}")
 
 
 def main(argv=None):
-    try:
-        args, training_args = parse_args(sys.argv[1:] if argv is None else argv)
-    except ValueError as error:  # TrainingArguments' own checks, e.g. --bf16 without a GPU or --use_cpu
-        raise SystemExit(f"error: {str(error).strip().splitlines()[0]}") from None
-    try:
-        run(args, training_args)
-    except PretrainError as error:
-        raise SystemExit(f"error: {error}") from None
+    return run(pretrain, argv)
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from convert.cli import CommandError
-from fat5.atomic_folder import put_in_place, remove_stale_staging
+from fat5.remote_code_fat5 import put_in_place, remove_stale_staging
 
 RECORD_NAME = "fat5_run.json"
 LOCK_NAME = ".fat5_run.lock"
@@ -132,13 +132,19 @@ class RunFolder:
     def opened(self, training_args=None):
         """Open for the run's lifetime. With `training_args` in a multi-process launch, the main process opens the
         folder (lock, checks, clean-up) before the others only read which checkpoint to resume."""
+        main_process = training_args is None or training_args.process_index == 0
+        created = main_process and not self.path.exists()
         with _main_process_first(training_args):
-            if training_args is None or training_args.process_index == 0:
+            if main_process:
                 self.open()
             else:
                 self._read_only_resume()
         try:
             yield self
+        except BaseException:
+            if created and not self._contents():
+                shutil.rmtree(self.path, ignore_errors=True)  # a run that failed before writing anything
+            raise
         finally:
             self.close()
 
@@ -154,7 +160,7 @@ class RunFolder:
         try:
             self._claim()
         except BaseException:
-            if created:
+            if created and not self._contents():  # (another run may have made the folder since)
                 shutil.rmtree(self.path, ignore_errors=True)
             self.close()
             raise
@@ -207,13 +213,16 @@ class RunFolder:
         self.resume_checkpoint = self._resolve_resume()
 
     def _refusal(self, record, resume_here):
+        if record is None and resume_here:
+            return f"--output_dir {self.path} holds no record of a run to continue (written by another program or " \
+                   f"an older FAT5?); resume from one of its checkpoints into a new --output_dir"
         if record is None:
-            what = "files that are not a FAT5 run's" if not resume_here else "no record of a FAT5 run"
+            what, how = "files that are not a FAT5 run's", ""
         else:
             last = complete_checkpoints(self.path, record.get("run"))
             what = f"another run's results (started {record.get('started', '?')}; last complete checkpoint: " \
                    f"{last[-1].name if last else 'none'})"
-        how = "" if record is None else f"continue it with --resume_from_checkpoint {self.resume_flag}, or "
+            how = f"continue it with --resume_from_checkpoint {self.resume_flag}, or "
         return f"--output_dir {self.path} holds {what}; {how}pass --overwrite_output_dir to replace it, or " \
                f"choose another folder"
 
@@ -276,6 +285,8 @@ class RunFolder:
 
     def describe(self):
         """What the folder holds, in one phrase (for the Ctrl-C line)."""
+        if not self.path.is_dir():
+            return f"nothing was written to {self.path}"
         last = self.last_checkpoint() if self.run_id else None
         final = "the final model and " if self.finished else ""
         if last is None:

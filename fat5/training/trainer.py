@@ -1,31 +1,28 @@
-"""`Trainer` plus the pretraining logs: real (non-padding) tokens per second and the padding fraction."""
+"""`Trainer` for pretraining: atomic checkpoints in a run folder, and the logs' real tokens per second and padding
+fraction."""
 
 import time
 
 from transformers import Trainer
 
 from .packing import PaddingFractionLoggingMixin
+from .run_folder import RunFolderTrainerMixin
 
 
-class PretrainTrainer(PaddingFractionLoggingMixin, Trainer):
+class PretrainTrainer(PaddingFractionLoggingMixin, RunFolderTrainerMixin, Trainer):
     """Adds `tokens_per_second` (real encoder plus decoder tokens of this process since the previous log) and
-    `padding_fraction` (from the mixin) to every training log. Counted in the training loop rather than in a
-    TrainerCallback, since callbacks never see the batches (and the collator may run in DataLoader workers)."""
+    `padding_fraction` to every training log, both from the one count of the batches the mixin keeps in the
+    training loop (callbacks never see the batches, and the collator may run in DataLoader workers). Checkpoints
+    are written as `RunFolderTrainerMixin` says."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.real_tokens = 0
         self.since = time.perf_counter()
 
-    def training_step(self, model, inputs, *args, **kwargs):
-        for name in ("attention_mask", "decoder_attention_mask"):
-            if inputs.get(name) is not None:
-                self.real_tokens += int(inputs[name].sum())
-        return super().training_step(model, inputs, *args, **kwargs)
-
     def log(self, logs, *args, **kwargs):
-        if "loss" in logs:
+        tracker = getattr(self, "padding_tracker", None)
+        if "loss" in logs and tracker is not None:
             now = time.perf_counter()
-            logs["tokens_per_second"] = round(self.real_tokens / max(now - self.since, 1e-9), 1)
-            self.real_tokens, self.since = 0, now
-        super().log(logs, *args, **kwargs)
+            logs["tokens_per_second"] = round(tracker.real_tokens / max(now - self.since, 1e-9), 1)
+            self.since = now
+        super().log(logs, *args, **kwargs)  # the mixin adds padding_fraction and resets the count

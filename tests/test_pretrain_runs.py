@@ -1,0 +1,254 @@
+"""Pretraining runs are never lost, mixed up or silently wrong: exact resume after several passes over the
+corpus, one run per output folder (two processes at once, a finished run, --overwrite_output_dir), interrupted
+checkpoint saves (SIGKILL, Ctrl-C), and every bad input as one `error:` line with exit status 2."""
+
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from test_pretrain import REPO, TINY, log_history, run_pretrain, write_corpus
+
+from convert.demo import DEMO_CHECKPOINT
+from fat5.training.pretrain import main as pretrain_main
+from fat5.training.run_folder import RECORD_NAME, read_record
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny model config, a small corpus and the demo tokenizer (no tokenizer training: fast)."""
+    folder = tmp_path_factory.mktemp("tiny")
+    (folder / "tiny.json").write_text(json.dumps(TINY))
+    return folder, write_corpus(folder / "corpus.txt", 40)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # The tiny model is latency-bound, and several test processes share the cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_flags(tiny, output_dir, steps, *more, corpus=None):
+    folder, default_corpus = tiny
+    return [str(arg) for arg in (
+        "--config", folder / "tiny.json", "--train_files", corpus or default_corpus, "--tokenizer", DEMO_CHECKPOINT,
+        "--output_dir", output_dir, "--max_steps", steps, "--per_device_train_batch_size", 4, "--max_input_length",
+        32, "--max_target_length", 32, "--logging_steps", 1, "--save_steps", 2, "--disable_tqdm", "true",
+        "--dataloader_pin_memory", "false", "--learning_rate", 1e-2, "--mixture", "t5", *more)]
+
+
+def one_error_line(capsys, argv):
+    capsys.readouterr()
+    assert pretrain_main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+# -- exact resume -------------------------------------------------------------------------------------------------
+
+def test_resume_is_exact_after_several_passes_over_the_corpus(tmp_path, capsys):
+    """A corpus of a few batches: the run crosses it several times, and a run resumed from a checkpoint taken
+    after the second pass logs the same losses and epochs as the uninterrupted run."""
+    folder = tmp_path
+    (folder / "tiny.json").write_text(json.dumps(TINY))
+    corpus = folder / "small.txt"
+    corpus.write_text("the red cat sees the old dog .\nthe quiet bird finds the green river .\n"
+                      "the happy farmer paints the small house .\n")
+    flags = ["--config", folder / "tiny.json", "--train_files", corpus, "--tokenizer", DEMO_CHECKPOINT,
+             "--learning_rate", 1e-2, "--per_device_train_batch_size", 4, "--max_input_length", 32,
+             "--max_target_length", 32, "--logging_steps", 1, "--save_steps", 12, "--max_steps", 24,
+             "--disable_tqdm", "true", "--dataloader_pin_memory", "false", "--mixture", "t5"]
+    whole, resumed = folder / "whole", folder / "resumed"
+    assert pretrain_main([str(arg) for arg in (*flags, "--output_dir", whole)]) == 0
+    from transformers import AutoTokenizer
+
+    from fat5.training.data import DenoisingDataset, Documents
+    from fat5.training.denoising import DenoisingMixture, sentinel_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(whole)
+    mixture = DenoisingMixture("t5", sentinel_token_ids(tokenizer), tokenizer.eos_token_id, 32, 32)
+    examples_a_pass = sum(1 for _ in DenoisingDataset(Documents([str(corpus)]), tokenizer, mixture).pass_examples(0))
+    assert 12 * 4 >= 2 * examples_a_pass  # the checkpoint at step 12 lies beyond the second pass
+    assert 24 * 4 >= 4 * examples_a_pass
+    assert pretrain_main([str(arg) for arg in (*flags, "--output_dir", resumed, "--resume_from_checkpoint",
+                                               whole / "checkpoint-12")]) == 0
+    original, again = log_history(whole / "checkpoint-24"), log_history(resumed / "checkpoint-24")
+    assert [entry["step"] for entry in again] == list(range(1, 25))
+    for first, second in zip(original[12:], again[12:], strict=True):
+        assert second["epoch"] == first["epoch"]
+        assert second["loss"] == pytest.approx(first["loss"], rel=1e-4)
+
+
+# -- one run per folder -------------------------------------------------------------------------------------------
+
+def test_a_finished_run_is_never_replaced_or_continued_by_another(tiny, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert pretrain_main(tiny_flags(tiny, out, 4)) == 0
+    record = read_record(out)
+    weights = (out / "model.safetensors").read_bytes()
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (out, out / "checkpoint-4", out / "model.safetensors", out / "checkpoint-4" / "model.safetensors"):
+        assert stat.S_IMODE(path.stat().st_mode) == (0o777 if path.is_dir() else 0o666) & ~umask, path
+    line = one_error_line(capsys, tiny_flags(tiny, out, 4))
+    assert "holds another run's results" in line and "checkpoint-4" in line and "--overwrite_output_dir" in line
+    assert (out / "model.safetensors").read_bytes() == weights and read_record(out) == record
+    # latest continues this run (more steps), from its own last complete checkpoint.
+    assert pretrain_main(tiny_flags(tiny, out, 6, "--resume_from_checkpoint", "latest")) == 0
+    assert read_record(out)["run"] == record["run"] and read_record(out / "checkpoint-6")["run"] == record["run"]
+    assert [entry["step"] for entry in log_history(out / "checkpoint-6")] == [1, 2, 3, 4, 5, 6]
+    # --overwrite_output_dir starts a new run in the folder, whose old checkpoints are gone.
+    assert pretrain_main(tiny_flags(tiny, out, 2, "--overwrite_output_dir")) == 0
+    assert read_record(out)["run"] != record["run"]
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-2"]
+
+
+def test_two_runs_started_on_one_folder_at_once(tiny, tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "fat5.training.pretrain", *tiny_flags(tiny, out, 4)]
+    first, second = (subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True) for _ in range(2))
+    results = [(process.wait(timeout=600), process.stderr.read()) for process in (first, second)]
+    for process in (first, second):
+        process.stdout.close()
+        process.stderr.close()
+    codes = sorted(code for code, _ in results)
+    assert codes == [0, 2], results
+    refused = next(stderr for code, stderr in results if code == 2).strip().splitlines()
+    assert len(refused) == 1 and re.match(r"error: --output_dir .* (is in use by another run|holds another run's "
+                                          r"results)", refused[0]), refused
+    assert read_record(out / "checkpoint-4")["run"] == read_record(out)["run"]
+
+
+# -- interrupted saves --------------------------------------------------------------------------------------------
+
+KILLED_DURING_SAVE = """
+import os, signal, sys
+from transformers import Trainer
+save_rng_state = Trainer._save_rng_state
+
+def killed(self, output_dir):
+    if self.state.global_step == 4:
+        os.kill(os.getpid(), signal.SIGKILL)  # after the weights and optimizer, before the trainer state
+    return save_rng_state(self, output_dir)
+
+Trainer._save_rng_state = killed
+from convert.cli import exit_with
+from fat5.training.pretrain import main
+exit_with(lambda: main(sys.argv[1:]))
+"""
+
+
+def test_a_checkpoint_killed_while_saved_is_never_resumed(tiny, tmp_path):
+    out = tmp_path / "run"
+    flags = tiny_flags(tiny, out, 6)
+    killed = subprocess.run([sys.executable, "-c", textwrap.dedent(KILLED_DURING_SAVE), *flags], cwd=REPO, env=ENV,
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert killed.returncode == -signal.SIGKILL
+    assert (out / "checkpoint-2").is_dir() and not (out / "checkpoint-4").exists()
+    assert (out / ".checkpoint-4.partial").is_dir()  # what the killed save left
+    resumed = run_pretrain(*flags, "--resume_from_checkpoint", "latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert sorted(path.name for path in out.iterdir() if "checkpoint" in path.name) == [
+        "checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    assert [entry["step"] for entry in log_history(out / "checkpoint-6")] == [1, 2, 3, 4, 5, 6]
+    assert not [path.name for path in tmp_path.iterdir() if ".partial" in path.name]
+
+
+def test_ctrl_c_says_what_the_folder_holds(tiny, tmp_path):
+    out = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "fat5.training.pretrain",
+                                *tiny_flags(tiny, out, 100000)],
+                               cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (out / "checkpoint-2").is_dir() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"interrupted: {re.escape(str(out))} holds checkpoint-(\d+), this run's last complete "
+                        r"checkpoint \(continue with --resume_from_checkpoint latest\)", last), last
+
+
+def test_ctrl_c_while_a_checkpoint_is_saved(tiny, tmp_path, capsys, monkeypatch):
+    from transformers import Trainer
+
+    save_rng_state = Trainer._save_rng_state
+
+    def interrupted(self, output_dir):
+        if self.state.global_step == 4:
+            raise KeyboardInterrupt
+        return save_rng_state(self, output_dir)
+
+    monkeypatch.setattr(Trainer, "_save_rng_state", interrupted)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert pretrain_main(tiny_flags(tiny, out, 6)) == 130
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"interrupted: {out} holds checkpoint-2, this run's last complete checkpoint (continue with "
+        f"--resume_from_checkpoint latest)"]
+    assert not (out / "checkpoint-4").exists()
+
+
+# -- bad input: one line, exit 2 ----------------------------------------------------------------------------------
+
+def test_corpus_errors_name_the_file_and_line(tiny, tmp_path, capsys):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("the cat sees the dog .\nle café est fermé .\n".encode("latin-1"))
+    line = one_error_line(capsys, tiny_flags(tiny, tmp_path / "o", 5, corpus=bad))
+    assert line == f"error: {bad}:2 is not UTF-8 text (byte 0xe9 at column 7); convert the file to UTF-8"
+    for value, shown in ((5, "int 5"), (["a", "b"], 'list ["a", "b"]')):
+        jsonl = tmp_path / "bad.jsonl"
+        jsonl.write_text(json.dumps({"text": "fine text here"}) + "\n" + json.dumps({"text": value}) + "\n")
+        line = one_error_line(capsys, tiny_flags(tiny, tmp_path / "o", 5, corpus=jsonl))
+        assert line == f"error: {jsonl}:2: the 'text' field is {shown}, not text"
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_bad_line_deep_in_the_corpus_stops_training_with_one_line(tiny, tmp_path, capsys):
+    corpus = tmp_path / "c.txt"
+    corpus.write_bytes(b"the red cat sees the old dog .\n" * 3 + b"caf\xe9\n")
+    for workers in (0, 1):  # read in the main process, then in a DataLoader worker
+        out = tmp_path / f"o{workers}"
+        line = one_error_line(capsys, tiny_flags(tiny, out, 100, "--dataloader_num_workers", workers,
+                                                 corpus=corpus))
+        assert line == f"error: {corpus}:4 is not UTF-8 text (byte 0xe9 at column 4); convert the file to UTF-8"
+
+
+def test_a_corpus_too_small_for_one_example(tiny, tmp_path, capsys):
+    corpus = tmp_path / "words.txt"
+    corpus.write_text("cat\ndog\n")  # one token a document with the demo tokenizer
+    line = one_error_line(capsys, tiny_flags(tiny, tmp_path / "o", 5, corpus=corpus))
+    assert line == "error: the corpus is too small to make one training example: every document has fewer than " \
+                   "2 tokens"
+    assert not (tmp_path / "o").exists()
+
+
+def test_resume_errors(tiny, tmp_path, capsys):
+    line = one_error_line(capsys, tiny_flags(tiny, tmp_path / "new", 5, "--resume_from_checkpoint", "latest"))
+    assert "holds no checkpoint of a run to continue" in line
+    assert not (tmp_path / "new").exists()
+    out = tmp_path / "run"
+    assert pretrain_main(tiny_flags(tiny, out, 2)) == 0
+    wider = dict(TINY, d_ff=2 * TINY["d_ff"])
+    (tmp_path / "wider.json").write_text(json.dumps(wider))
+    flags = tiny_flags(tiny, out, 4, "--resume_from_checkpoint", "latest")
+    flags[flags.index("--config") + 1] = str(tmp_path / "wider.json")
+    line = one_error_line(capsys, flags)
+    assert "holds a model of another shape" in line and "resume with the flags it was trained with" in line
+    assert json.loads((out / RECORD_NAME).read_text())["run"] == read_record(out / "checkpoint-2")["run"]

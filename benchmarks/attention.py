@@ -32,8 +32,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
 import common  # noqa: E402  (puts this checkout first on sys.path)
-from fat5.attention_fat5 import relative_position_bucket  # noqa: E402
 from fat5.kernels.flash_attention_t5 import flash_attention_t5  # noqa: E402
+from fat5.reference_fat5 import relative_position_bucket  # noqa: E402
 
 NUM_BUCKETS, MAX_DISTANCE = 32, 128
 IMPLEMENTATIONS = ("fat5", "sdpa_dense_bias", "sdpa_efficient_bias", "flex_lut", "sdpa_nobias")

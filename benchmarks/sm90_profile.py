@@ -37,7 +37,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 ROOT = os.environ.get("FAT5_SRC", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-package = types.ModuleType("fat5")  # skip fat5/__init__.py (it imports transformers); the kernel needs torch+triton
+# Skip fat5/__init__.py (it imports transformers): the kernel needs torch, triton and fat5/reference_fat5.py only.
+package = types.ModuleType("fat5")
 package.__path__ = [os.path.join(ROOT, "fat5")]
 sys.modules["fat5"] = package
 from fat5.kernels import flash_attention_t5 as K  # noqa: E402

@@ -1,9 +1,15 @@
-"""The attention seam of FAT5: one signature, several backends.
+"""The attention seam of FAT5: everything between a layer's q, k, v and the attention's output.
+
+A layer hands q, k, v, the stack's `PositionInputs` and its bias table to the function `attention_function` picks
+(the configured backend, or for "auto" the fastest that is exact here) and gets `(output, weights)` back, weights
+None unless output_attentions asks for them. Backends: "eager" (the plain-torch reference of `reference_fat5`,
+the only one that gives weights), "sdpa" (torch's scaled_dot_product_attention) and "triton" (the flash-attention
+kernel of `kernels/flash_attention_t5.py`, padded or packed; this is the only model module that imports it).
 
 Every backend receives q, k, v and the *small* position-encoding parameters (the T5 bucket table,
 ALiBi slopes) instead of a dense (L, L) bias, so a kernel can compute the bias on the fly.
 
-Shared contract (all backends):
+Shared contract (all backends; `ATTENTION_FUNCTIONS` take the segment ids as one `segments`, a PackedSegments):
     query (B, H, Lq, D), key / value (B, H, Lk, D) -> output (B, H, Lq, D)
     query position i is ``i + q_offset``, key position j is ``j``; relative position is ``j - (i + q_offset)``
     bias_table      (num_buckets, H): T5 relative bias, bucketed as T5 does (``bidirectional`` for encoders)
@@ -20,30 +26,16 @@ Shared contract (all backends):
     Rows that see no key at all return zeros.
 """
 
+import dataclasses
 import functools
+import importlib.util
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
-
-def relative_position_bucket(relative_position, bidirectional=True, num_buckets=32, max_distance=128):
-    """T5's bucketing of ``key_position - query_position`` (identical to transformers' T5Attention)."""
-    buckets = 0
-    if bidirectional:
-        num_buckets //= 2
-        buckets = (relative_position > 0).to(torch.long) * num_buckets
-        distance = relative_position.abs()
-    else:
-        distance = (-relative_position).clamp(min=0)
-    max_exact = num_buckets // 2
-    is_small = distance < max_exact
-    # Logarithmic buckets up to max_distance; float() of distance 0 gives -inf, masked out by is_small.
-    if_large = max_exact + (
-        torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
-    ).to(torch.long)
-    if_large = if_large.clamp(max=num_buckets - 1)
-    return buckets + torch.where(is_small, distance, if_large)
+from .reference_fat5 import dense_bias, eager_attention, visibility_mask
 
 
 def alibi_slopes(num_heads):
@@ -55,55 +47,6 @@ def alibi_slopes(num_heads):
         extra = 2.0 ** (-4.0 / closest)
         slopes += [extra ** (2 * i + 1) for i in range(num_heads - closest)]
     return torch.tensor(slopes, dtype=torch.float32)
-
-
-def relative_positions(query_length, key_length, q_offset=0, device=None):
-    """(Lq, Lk) matrix of ``key_position - query_position``."""
-    query_position = torch.arange(query_length, device=device)[:, None] + q_offset
-    key_position = torch.arange(key_length, device=device)[None, :]
-    return key_position - query_position
-
-
-def dense_bias(query_length, key_length, *, bias_table=None, bidirectional=True, num_buckets=32,
-               max_distance=128, alibi_slopes=None, position_bias=None, q_offset=0, device=None):
-    """The additive bias as a dense (1 | B, H, Lq, Lk) float tensor, or None. Reference backends only."""
-    bias = position_bias
-    if bias_table is not None:
-        table_bias = _table_bias(bias_table, query_length, key_length, bidirectional, num_buckets, max_distance,
-                                 q_offset, device).unsqueeze(0)
-        bias = table_bias if bias is None else bias + table_bias
-    if alibi_slopes is not None:
-        relative = relative_positions(query_length, key_length, q_offset, device)
-        alibi = -alibi_slopes[:, None, None] * relative.abs().to(alibi_slopes.dtype)
-        bias = alibi.unsqueeze(0) if bias is None else bias + alibi
-    return bias
-
-
-def _table_bias(bias_table, query_length, key_length, bidirectional, num_buckets, max_distance, q_offset, device):
-    """(H, Lq, Lk) bias from a (num_buckets, H) table. The bucket depends only on key - query, so it is computed
-    for the Lq + Lk - 1 distances and spread over the grid by one gather (bucketing all Lq * Lk pairs with its
-    log and divisions cost twice the gather on CPU at L = 4096)."""
-    distances = torch.arange(1 - query_length, key_length, device=device) - q_offset
-    per_distance = bias_table[relative_position_bucket(distances, bidirectional, num_buckets, max_distance)].t()
-    return per_distance[:, relative_positions(query_length, key_length, device=device) + (query_length - 1)]
-
-
-def visibility_mask(query_length, key_length, *, key_padding_mask=None, causal=False, q_offset=0,
-                    query_segment_ids=None, key_segment_ids=None, device=None):
-    """Boolean (B | 1, 1, Lq | 1, Lk) mask of visible keys, or None when every key is visible."""
-    visible = None
-    if causal:
-        visible = (relative_positions(query_length, key_length, q_offset, device) <= 0)[None, None]
-    if key_padding_mask is not None:
-        keys = key_padding_mask.to(torch.bool)[:, None, None, :]
-        visible = keys if visible is None else visible & keys
-    if (query_segment_ids is None) != (key_segment_ids is None):
-        raise ValueError("pass query_segment_ids and key_segment_ids together")
-    if key_segment_ids is not None:
-        same = (query_segment_ids[:, None, :, None] == key_segment_ids[:, None, None, :]) \
-            & (key_segment_ids[:, None, None, :] > 0)
-        visible = same if visible is None else visible & same
-    return visible
 
 
 def segment_positions(segment_ids):
@@ -156,31 +99,18 @@ class PackedSegments:
         }
 
 
-def eager_attention(query, key, value, *, bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
-                    alibi_slopes=None, position_bias=None, key_padding_mask=None, causal=False, q_offset=0,
-                    scale=1.0, dropout_p=0.0, query_segment_ids=None, key_segment_ids=None, return_weights=False):
-    """Plain-torch reference: materialises scores and bias; exact in any dtype (fp64 in kernel tests).
-    With return_weights, also returns the attention probabilities (B, H, Lq, Lk) (output_attentions)."""
-    query_length, key_length = query.shape[-2], key.shape[-2]
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
-    bias = dense_bias(query_length, key_length, bias_table=bias_table, bidirectional=bidirectional,
-                      num_buckets=num_buckets, max_distance=max_distance, alibi_slopes=alibi_slopes,
-                      position_bias=position_bias, q_offset=q_offset, device=query.device)
-    if bias is not None:
-        scores = scores + bias.to(scores.dtype)
-    visible = visibility_mask(query_length, key_length, key_padding_mask=key_padding_mask, causal=causal,
-                              q_offset=q_offset, query_segment_ids=query_segment_ids,
-                              key_segment_ids=key_segment_ids, device=query.device)
-    # Softmax in at least fp32; finfo.min rather than -inf keeps fully-masked rows finite and NaN-free.
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-    if visible is not None:
-        scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1).to(query.dtype)
-    if visible is not None:
-        probs = probs * visible.any(dim=-1, keepdim=True)
-    probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
-    output = torch.matmul(probs, value)
-    return (output, probs) if return_weights else output
+@dataclasses.dataclass(frozen=True)
+class PositionInputs:
+    """The position parameters of one stack forward, built once and shared by its layers (never an (L, L) T5 bias:
+    the T5 table is handed to each attention by its block). Unset fields do not apply to this model or this batch."""
+
+    q_offset: int | torch.Tensor = 0  # position of the first query (a static cache's counter is a tensor)
+    cache_position: torch.Tensor | None = None  # (Lq,) cache slots of the queries
+    alibi_slopes: torch.Tensor | None = None  # (H,)
+    position_bias: torch.Tensor | None = None  # dense FIRE bias (1 | B, H, Lq, Lk)
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE cos, sin: (Lq, D), or (B, 1, L, D) when packed
+    segments: PackedSegments | None = None  # packed rows: self-attention's segments
+    cross_segments: PackedSegments | None = None  # packed rows: cross-attention's (decoder queries, encoder keys)
 
 
 def sdpa_attention(query, key, value, *, bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
@@ -207,3 +137,103 @@ def sdpa_attention(query, key, value, *, bias_table=None, bidirectional=True, nu
     if visible is not None:
         output = output * visible.any(dim=-1, keepdim=True)
     return output
+
+
+def _segment_ids(segments):
+    if segments is None:
+        return {}
+    return {"query_segment_ids": segments.query_segment_ids, "key_segment_ids": segments.key_segment_ids}
+
+
+def eager_attention_forward(query, key, value, *, segments=None, output_attentions=False, **kwargs):
+    output, weights = eager_attention(query, key, value, **_segment_ids(segments), return_weights=True, **kwargs)
+    return output, weights if output_attentions else None
+
+
+def sdpa_attention_forward(query, key, value, *, segments=None, output_attentions=False, **kwargs):
+    return sdpa_attention(query, key, value, **_segment_ids(segments), **kwargs), None
+
+
+def triton_attention_forward(query, key, value, *, segments=None, output_attentions=False, dropout_p=0.0,
+                             position_bias=None, **kwargs):
+    """The Triton kernel; `select_attention_backend` never picks it with dropout or a dense bias."""
+    # Imported lazily: the kernel needs triton, which CPU-only installs lack.
+    from .kernels.flash_attention_t5 import flash_attention_t5, flash_attention_t5_varlen
+
+    if isinstance(kwargs["q_offset"], torch.Tensor):
+        kwargs["q_offset"] = int(kwargs["q_offset"])  # a static cache's counter; the kernel takes a scalar
+    if segments is None:
+        return flash_attention_t5(query, key, value, **kwargs), None
+    # Packed rows: drop padding, run each segment as one varlen sequence, put the rows back (padding rows = 0).
+    if kwargs.pop("key_padding_mask") is not None or kwargs.pop("q_offset") != 0:
+        raise ValueError("packed attention takes its padding from the segment ids and has no cache offset")
+    layout = segments.varlen
+    batch, heads, query_length, head_dim = query.shape
+
+    def unpad(states, index):
+        return states.transpose(1, 2).reshape(-1, heads, head_dim).index_select(0, index)
+
+    output = flash_attention_t5_varlen(
+        unpad(query, layout["query_index"]), unpad(key, layout["key_index"]), unpad(value, layout["key_index"]),
+        layout["cu_seqlens_q"], layout["cu_seqlens_k"], layout["max_seqlen_q"], layout["max_seqlen_k"], **kwargs)
+    padded = output.new_zeros(batch * query_length, heads, head_dim).index_copy(0, layout["query_index"], output)
+    return padded.view(batch, query_length, heads, head_dim).transpose(1, 2), None
+
+
+# Every function takes q, k, v and the keyword arguments of the contract above (plus `segments`, the packed
+# rows' PackedSegments, and `output_attentions`) and returns (output, weights).
+ATTENTION_FUNCTIONS = {"eager": eager_attention_forward, "sdpa": sdpa_attention_forward,
+                       "triton": triton_attention_forward}
+
+
+@functools.cache
+def triton_installed():
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def triton_head_dims():
+    """The head dims the Triton kernel takes (its own table, read here only where triton is installed)."""
+    if not triton_installed():
+        return ()
+    from .kernels.flash_attention_t5 import HEAD_DIMS
+
+    return HEAD_DIMS
+
+
+def select_attention_backend(config, query, needs_dense_bias, dropout_p):
+    """Name of the backend for this call: the configured one, or for "auto" the fastest that is exact here."""
+    backend = config.attention_backend
+    if backend == "triton" and (needs_dense_bias or dropout_p > 0):
+        raise ValueError(
+            "attention_backend='triton' has no attention dropout and no FIRE bias: set "
+            "config.attention_dropout_rate=0.0 (or call model.eval()), or use attention_backend='sdpa'"
+        )
+    if backend == "triton" and query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"attention_backend='triton' runs the Triton kernel, which needs CUDA tensors; got a {query.device.type} "
+            "tensor. Use attention_backend='auto' (the kernel on CUDA, SDPA elsewhere) or 'sdpa'")
+    if backend != "auto":
+        return backend
+    if getattr(config, "_attn_implementation", None) == "eager":
+        return "eager"
+    if query.is_cuda and not needs_dense_bias and dropout_p == 0 and query.shape[-1] in triton_head_dims():
+        return "triton"
+    return "sdpa"
+
+
+def _backend_with_weights(config):
+    if config.attention_backend not in ("auto", "eager"):
+        raise ValueError(
+            f"output_attentions=True needs the eager attention backend, the only one that materialises attention "
+            f"weights; this model uses attention_backend={config.attention_backend!r}. Call "
+            "model.set_attn_implementation('eager') (or load with attn_implementation='eager') first")
+    return "eager"
+
+
+def attention_function(config, query, *, needs_dense_bias, dropout_p, output_attentions=False):
+    """The function of `ATTENTION_FUNCTIONS` that computes this call's attention."""
+    backend = select_attention_backend(config, query, needs_dense_bias, dropout_p)
+    if output_attentions:
+        backend = _backend_with_weights(config)  # only the eager reference materialises the probabilities
+    return ATTENTION_FUNCTIONS[backend]

@@ -2,12 +2,11 @@
 
 Parameter names are transformers' T5 names (`shared`, `q,k,v,o`, `wi`/`wi_0`/`wi_1`/`wo`, `layer_norm`,
 `relative_attention_bias`), so T5 checkpoints, PEFT `target_modules=["q", "v"]` and habits carry over. Attention
-goes through one seam (`attention_fat5`): layers hand q, k, v and the small position parameters to a backend.
+goes through one seam (`attention_fat5`): a layer hands q, k, v and the stack's `PositionInputs` (small position
+parameters, built once per stack forward) to the backend function the seam picks, and gets (output, weights) back.
 """
 
 import contextlib
-import functools
-import importlib.util
 import os
 
 import torch
@@ -29,84 +28,21 @@ from transformers.modeling_outputs import (
 
 from .attention_fat5 import (
     PackedSegments,
+    PositionInputs,
     alibi_slopes,
-    eager_attention,
-    relative_positions,
-    sdpa_attention,
+    attention_function,
     segment_positions,
+    triton_installed,
 )
 from .configuration_fat5 import FAT5Config
-from .kernels.linear_cross_entropy import linear_cross_entropy, seq2seq_lm_loss
+from .loss_fat5 import linear_cross_entropy, seq2seq_lm_loss
+from .reference_fat5 import relative_positions, t5_rms_norm
 from .remote_code_fat5 import mark_as_package, save_as_package
 
 try:
     from transformers import initialization as init  # transformers 5: skips tensors loaded from a checkpoint
 except ImportError:  # transformers 4.x only initialises modules whose weights are missing
     from torch.nn import init
-
-TRITON_HEAD_DIMS = (32, 64, 128)
-
-
-def triton_attention(query, key, value, segments=None, **kwargs):
-    # Imported lazily: the kernel needs triton, which CPU-only installs lack.
-    from .kernels.flash_attention_t5 import flash_attention_t5, flash_attention_t5_varlen
-
-    if segments is None:
-        return flash_attention_t5(query, key, value, **kwargs)
-    # Packed rows: drop padding, run each segment as one varlen sequence, put the rows back (padding rows = 0).
-    if kwargs.pop("key_padding_mask") is not None or kwargs.pop("q_offset") != 0:
-        raise ValueError("packed attention takes its padding from the segment ids and has no cache offset")
-    layout = segments.varlen
-    batch, heads, query_length, head_dim = query.shape
-
-    def unpad(states, index):
-        return states.transpose(1, 2).reshape(-1, heads, head_dim).index_select(0, index)
-
-    output = flash_attention_t5_varlen(
-        unpad(query, layout["query_index"]), unpad(key, layout["key_index"]), unpad(value, layout["key_index"]),
-        layout["cu_seqlens_q"], layout["cu_seqlens_k"], layout["max_seqlen_q"], layout["max_seqlen_k"], **kwargs)
-    padded = output.new_zeros(batch * query_length, heads, head_dim).index_copy(0, layout["query_index"], output)
-    return padded.view(batch, query_length, heads, head_dim).transpose(1, 2)
-
-
-ATTENTION_FUNCTIONS = {"eager": eager_attention, "sdpa": sdpa_attention, "triton": triton_attention}
-
-
-@functools.lru_cache(maxsize=None)
-def triton_installed():
-    return importlib.util.find_spec("triton") is not None
-
-
-def select_attention_backend(config, query, needs_dense_bias, dropout_p):
-    """Name of the backend for this call: the configured one, or for "auto" the fastest that is exact here."""
-    backend = config.attention_backend
-    if backend == "triton" and (needs_dense_bias or dropout_p > 0):
-        raise ValueError(
-            "attention_backend='triton' has no attention dropout and no FIRE bias: set "
-            "config.attention_dropout_rate=0.0 (or call model.eval()), or use attention_backend='sdpa'"
-        )
-    if backend == "triton" and query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"attention_backend='triton' runs the Triton kernel, which needs CUDA tensors; got a {query.device.type} "
-            "tensor. Use attention_backend='auto' (the kernel on CUDA, SDPA elsewhere) or 'sdpa'")
-    if backend != "auto":
-        return backend
-    if getattr(config, "_attn_implementation", None) == "eager":
-        return "eager"
-    if (query.is_cuda and not needs_dense_bias and dropout_p == 0 and query.shape[-1] in TRITON_HEAD_DIMS
-            and triton_installed()):
-        return "triton"
-    return "sdpa"
-
-
-def _backend_with_weights(config):
-    if config.attention_backend not in ("auto", "eager"):
-        raise ValueError(
-            f"output_attentions=True needs the eager attention backend, the only one that materialises attention "
-            f"weights; this model uses attention_backend={config.attention_backend!r}. Call "
-            "model.set_attn_implementation('eager') (or load with attn_implementation='eager') first")
-    return "eager"
-
 
 def t5_linear(in_features, out_features, init_std, bias=False):
     """nn.Linear that records the standard deviation T5's initialisation gives it (read by `_init_weights`)."""
@@ -136,16 +72,6 @@ class FAT5LayerNorm(nn.Module):
 
             return rms_norm(hidden_states, self.weight, self.variance_epsilon)
         return t5_rms_norm(hidden_states, self.weight, self.variance_epsilon)
-
-
-def t5_rms_norm(hidden_states, weight, eps):
-    """T5LayerNorm's math (the reference of the Triton kernel): x * rsqrt(mean(x**2) + eps) with the statistics
-    in fp32, cast to the weight's dtype when it is half precision, then times the weight."""
-    variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
-    hidden_states = hidden_states * torch.rsqrt(variance + eps)
-    if weight.dtype in (torch.float16, torch.bfloat16):
-        hidden_states = hidden_states.to(weight.dtype)
-    return weight * hidden_states
 
 
 class FAT5DenseActDense(nn.Module):
@@ -264,66 +190,56 @@ class FAT5Attention(nn.Module):
         return linear(states).view(batch, length, self.n_heads, self.key_value_proj_dim).transpose(1, 2)
 
     def forward(self, hidden_states, key_value_states=None, key_padding_mask=None, position=None,
-                past_key_values=None):
+                past_key_values=None, bias_table=None, output_attentions=False):
+        """`position`: the stack's PositionInputs (None: no position parameters). `bias_table`: the T5 relative-bias
+        table this layer uses (its own when None). Returns (output, weights), weights None unless output_attentions."""
+        position = PositionInputs() if position is None else position
         query = self._project(self.q, hidden_states)
-        position = position or {}
         if self.is_cross_attention:
-            cache = past_key_values.cross_attention_cache if past_key_values is not None else None
-            if past_key_values is not None and past_key_values.is_updated.get(self.layer_idx):
-                # Encoder keys/values do not change while decoding: reuse them.
-                key = cache.layers[self.layer_idx].keys
-                value = cache.layers[self.layer_idx].values
-            else:
-                key = self._project(self.k, key_value_states)
-                value = self._project(self.v, key_value_states)
-                if cache is not None:
-                    key, value = cache.update(key, value, self.layer_idx)
-                    past_key_values.is_updated[self.layer_idx] = True
-            bias_kwargs, q_offset = {}, 0
-            segments = position.get("cross_segments")
+            key, value = self._encoder_key_value(key_value_states, past_key_values)
+            # Encoder positions are not comparable with decoder positions: no position encoding here.
+            bias_table = alibi = dense_bias = None
+            q_offset, segments = 0, position.cross_segments
         else:
             key = self._project(self.k, hidden_states)
             value = self._project(self.v, hidden_states)
-            if "rotary" in position:
-                cos, sin = position["rotary"]
+            if position.rotary is not None:
+                cos, sin = position.rotary
                 query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
             if past_key_values is not None:
                 # cache_position tells transformers 4.x's static cache where to write (5.x counts itself).
                 key, value = past_key_values.self_attention_cache.update(
-                    key, value, self.layer_idx, cache_kwargs={"cache_position": position["cache_position"]})
-            q_offset = position.get("q_offset", 0)
-            segments = position.get("segments")
-            bias_kwargs = {name: position[name] for name in ("alibi_slopes", "position_bias") if name in position}
-            table = position.get("bias_table")
-            if table is None and hasattr(self, "relative_attention_bias"):
-                table = self.relative_attention_bias.weight  # called on its own, outside FAT5Block
-            if table is not None:
-                bias_kwargs.update(bias_table=table, bidirectional=not self.is_decoder,
-                                   num_buckets=self.config.relative_attention_num_buckets,
-                                   max_distance=self.config.relative_attention_max_distance)
+                    key, value, self.layer_idx, cache_kwargs={"cache_position": position.cache_position})
+            if bias_table is None and hasattr(self, "relative_attention_bias"):
+                bias_table = self.relative_attention_bias.weight  # called on its own, outside FAT5Block
+            alibi, dense_bias = position.alibi_slopes, position.position_bias
+            q_offset, segments = position.q_offset, position.segments
 
         dropout_p = self.config.attention_dropout_rate if self.training else 0.0
-        backend = select_attention_backend(self.config, query, "position_bias" in bias_kwargs, dropout_p)
-        extra = {} if backend == "triton" else {"dropout_p": dropout_p}
-        if backend == "triton" and isinstance(q_offset, torch.Tensor):
-            q_offset = int(q_offset)  # a static cache's counter; the kernel takes the offset as a scalar
-        weights_sink = position.get("attention_weights")
-        if weights_sink is not None:
-            # output_attentions: only the eager reference materialises the probabilities.
-            backend = _backend_with_weights(self.config)
-            extra = {"dropout_p": dropout_p, "return_weights": True}
-        if segments is not None:
-            extra.update({"segments": segments} if backend == "triton" else {
-                "query_segment_ids": segments.query_segment_ids, "key_segment_ids": segments.key_segment_ids})
-        output = ATTENTION_FUNCTIONS[backend](
-            query, key, value, key_padding_mask=key_padding_mask,
-            causal=self.is_decoder and not self.is_cross_attention, q_offset=q_offset,
-            scale=self.config.attention_scale, **bias_kwargs, **extra)
-        if weights_sink is not None:
-            output, weights = output
-            weights_sink.append(weights)
-        batch, _, length, _ = output.shape
-        return self.o(output.transpose(1, 2).reshape(batch, length, self.inner_dim))
+        attention_interface = attention_function(self.config, query, needs_dense_bias=dense_bias is not None,
+                                                 dropout_p=dropout_p, output_attentions=output_attentions)
+        attn_output, attn_weights = attention_interface(
+            query, key, value, bias_table=bias_table, bidirectional=not self.is_decoder,
+            num_buckets=self.config.relative_attention_num_buckets,
+            max_distance=self.config.relative_attention_max_distance, alibi_slopes=alibi, position_bias=dense_bias,
+            key_padding_mask=key_padding_mask, causal=self.is_decoder and not self.is_cross_attention,
+            q_offset=q_offset, scale=self.config.attention_scale, dropout_p=dropout_p, segments=segments,
+            output_attentions=output_attentions)
+        batch, _, length, _ = attn_output.shape
+        attn_output = self.o(attn_output.transpose(1, 2).reshape(batch, length, self.inner_dim))
+        return attn_output, attn_weights
+
+    def _encoder_key_value(self, encoder_hidden_states, past_key_values):
+        cache = past_key_values.cross_attention_cache if past_key_values is not None else None
+        if past_key_values is not None and past_key_values.is_updated.get(self.layer_idx):
+            # Encoder keys/values do not change while decoding: reuse them.
+            return cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
+        key = self._project(self.k, encoder_hidden_states)
+        value = self._project(self.v, encoder_hidden_states)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+            past_key_values.is_updated[self.layer_idx] = True
+        return key, value
 
 
 class FAT5LayerSelfAttention(nn.Module):
@@ -335,10 +251,12 @@ class FAT5LayerSelfAttention(nn.Module):
         self.layer_norm = FAT5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = nn.Dropout(config.dropout_rate)
 
-    def forward(self, hidden_states, key_padding_mask, position, past_key_values):
-        attention = self.SelfAttention(self.layer_norm(hidden_states), key_padding_mask=key_padding_mask,
-                                       position=position, past_key_values=past_key_values)
-        return hidden_states + self.dropout(attention)
+    def forward(self, hidden_states, key_padding_mask, position, past_key_values, bias_table=None,
+                output_attentions=False):
+        attention_output, attention_weights = self.SelfAttention(
+            self.layer_norm(hidden_states), key_padding_mask=key_padding_mask, position=position,
+            past_key_values=past_key_values, bias_table=bias_table, output_attentions=output_attentions)
+        return hidden_states + self.dropout(attention_output), attention_weights
 
 
 class FAT5LayerCrossAttention(nn.Module):
@@ -349,11 +267,12 @@ class FAT5LayerCrossAttention(nn.Module):
         self.dropout = nn.Dropout(config.dropout_rate)
 
     def forward(self, hidden_states, encoder_hidden_states, encoder_key_padding_mask, past_key_values,
-                position=None):
-        attention = self.EncDecAttention(self.layer_norm(hidden_states), key_value_states=encoder_hidden_states,
-                                         key_padding_mask=encoder_key_padding_mask, position=position,
-                                         past_key_values=past_key_values)
-        return hidden_states + self.dropout(attention)
+                position=None, output_attentions=False):
+        attention_output, attention_weights = self.EncDecAttention(
+            self.layer_norm(hidden_states), key_value_states=encoder_hidden_states,
+            key_padding_mask=encoder_key_padding_mask, position=position, past_key_values=past_key_values,
+            output_attentions=output_attentions)
+        return hidden_states + self.dropout(attention_output), attention_weights
 
 
 class FAT5Block(GradientCheckpointingLayer):
@@ -367,28 +286,31 @@ class FAT5Block(GradientCheckpointingLayer):
         self.layer.append(FAT5LayerFF(config))
 
     def forward(self, hidden_states, key_padding_mask=None, encoder_hidden_states=None,
-                encoder_key_padding_mask=None, position=None, past_key_values=None, bias_table=None):
-        """`bias_table`: the relative-bias table of the stack's first block, for the blocks that share it. It is a
-        positional tensor argument, not a `position` entry, so (reentrant) gradient checkpointing tracks it."""
+                encoder_key_padding_mask=None, position=None, past_key_values=None, bias_table=None,
+                output_attentions=False):
+        """Returns (hidden states, self-attention weights, cross-attention weights, shared bias table): weights
+        None unless output_attentions, the table None unless this block owns a table the later blocks share.
+
+        `bias_table`: the relative-bias table of the stack's first block, for the blocks that share it. It is a
+        positional tensor argument, not a `position` field, so (reentrant) gradient checkpointing tracks it."""
         attention = self.layer[0].SelfAttention
-        table = None
+        own_table = None
         if hasattr(attention, "relative_attention_bias"):
             # Read through the embedding's forward, not `.weight`, so ZeRO-3 gathers it while this block runs.
             buckets = torch.arange(attention.config.relative_attention_num_buckets, device=hidden_states.device)
-            table = attention.relative_attention_bias(buckets)
-            position = {**(position or {}), "bias_table": table}
-        elif bias_table is not None:
-            position = {**(position or {}), "bias_table": bias_table}
-        hidden_states = self.layer[0](hidden_states, key_padding_mask, position, past_key_values)
+            bias_table = own_table = attention.relative_attention_bias(buckets)
+        hidden_states, self_attention_weights = self.layer[0](hidden_states, key_padding_mask, position,
+                                                              past_key_values, bias_table, output_attentions)
+        cross_attention_weights = None
         if self.is_decoder and encoder_hidden_states is not None:
-            hidden_states = self.layer[1](hidden_states, encoder_hidden_states, encoder_key_padding_mask,
-                                          past_key_values, position)
+            hidden_states, cross_attention_weights = self.layer[1](
+                hidden_states, encoder_hidden_states, encoder_key_padding_mask, past_key_values, position,
+                output_attentions)
         hidden_states = self.layer[-1](hidden_states)
-        if table is not None and not attention.config.relative_bias_per_layer:
-            # This table serves every layer of the stack. It leaves the block as an output, so sharding engines
-            # (FSDP per block, ZeRO-3) route the later layers' gradient back through this block.
-            return hidden_states, table
-        return hidden_states
+        # A table that serves every layer of the stack leaves the block as an output, so sharding engines
+        # (FSDP per block, ZeRO-3) route the later layers' gradient back through this block.
+        shared_table = None if attention.config.relative_bias_per_layer else own_table
+        return hidden_states, self_attention_weights, cross_attention_weights, shared_table
 
 
 class FAT5Stack(nn.Module):
@@ -417,26 +339,28 @@ class FAT5Stack(nn.Module):
     def set_input_embeddings(self, embed_tokens):
         self.__dict__["embed_tokens"] = embed_tokens
 
-    def _position_inputs(self, query_length, key_length, q_offset, device, positions=None):
+    def _position_inputs(self, query_length, key_length, q_offset, device, positions=None, segments=None,
+                         cross_segments=None):
         """Small per-forward position parameters shared by every layer (never an (L, L) T5 bias). `positions`
         (B, L): per-segment positions of a packed batch (T5 and ALiBi need none: see `attention_fat5`)."""
         config = self.config
-        position = {"q_offset": q_offset,
-                    "cache_position": torch.arange(query_length, device=device) + q_offset}
         kind = config.position_encoding_type
         first_attention = self.block[0].layer[0].SelfAttention if len(self.block) else None
+        slopes = dense_bias = rotary = None
         if kind == "alibi":
-            position["alibi_slopes"] = alibi_slopes(config.num_heads).to(device)
+            slopes = alibi_slopes(config.num_heads).to(device)
         elif kind == "fire" and first_attention is not None:
-            position["position_bias"] = first_attention.fire(query_length, key_length, q_offset, device, positions)
+            dense_bias = first_attention.fire(query_length, key_length, q_offset, device, positions)
         elif kind == "rope":
             if positions is None:
-                position["rotary"] = rotary_cos_sin(torch.arange(query_length, device=device) + q_offset,
-                                                    config.d_kv, config.rope_theta, device)
+                rotary = rotary_cos_sin(torch.arange(query_length, device=device) + q_offset, config.d_kv,
+                                        config.rope_theta, device)
             else:
                 cos, sin = rotary_cos_sin(positions, config.d_kv, config.rope_theta, device)
-                position["rotary"] = cos[:, None], sin[:, None]  # (B, 1, L, D) against (B, H, L, D)
-        return position
+                rotary = cos[:, None], sin[:, None]  # (B, 1, L, D) against (B, H, L, D)
+        return PositionInputs(q_offset=q_offset, cache_position=torch.arange(query_length, device=device) + q_offset,
+                              alibi_slopes=slopes, position_bias=dense_bias, rotary=rotary, segments=segments,
+                              cross_segments=cross_segments)
 
     def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 inputs_embeds=None, past_key_values=None, use_cache=None, output_hidden_states=None,
@@ -470,14 +394,15 @@ class FAT5Stack(nn.Module):
         if encoder_hidden_states is not None:
             encoder_key_padding_mask = _key_mask(encoder_attention_mask, batch, encoder_hidden_states.shape[1],
                                                  "encoder_attention_mask")
-        packed = _packed_segments(segment_ids, attention_mask, encoder_segment_ids, encoder_attention_mask,
-                                  encoder_hidden_states, batch, length, q_offset, self.is_decoder)
+        segments, cross_segments = _packed_segments(segment_ids, attention_mask, encoder_segment_ids,
+                                                    encoder_attention_mask, encoder_hidden_states, batch, length,
+                                                    q_offset, self.is_decoder)
         positions = None
-        if packed:
+        if segments is not None:
             key_padding_mask = encoder_key_padding_mask = None  # the segment ids carry the padding
-            positions = segment_positions(packed["segments"].query_segment_ids)
-        position = self._position_inputs(length, key_length, q_offset, inputs_embeds.device, positions)
-        position.update(packed)
+            positions = segment_positions(segments.query_segment_ids)
+        position = self._position_inputs(length, key_length, q_offset, inputs_embeds.device, positions, segments,
+                                         cross_segments)
 
         hidden_states = self.dropout(inputs_embeds)
         if hidden_states.dtype == torch.float16:
@@ -490,16 +415,15 @@ class FAT5Stack(nn.Module):
         for block in self.block:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
+            hidden_states, self_attention_weights, cross_attention_weights, shared_table = block(
+                hidden_states, key_padding_mask, encoder_hidden_states, encoder_key_padding_mask, position,
+                past_key_values, bias_table, output_attentions)
+            if shared_table is not None:
+                bias_table = shared_table
             if output_attentions:
-                position["attention_weights"] = []  # each attention of the block appends its weights
-            hidden_states = block(hidden_states, key_padding_mask, encoder_hidden_states, encoder_key_padding_mask,
-                                  position, past_key_values, bias_table)
-            if isinstance(hidden_states, tuple):
-                hidden_states, bias_table = hidden_states
-            if output_attentions:
-                all_attentions += (position["attention_weights"][0],)
+                all_attentions += (self_attention_weights,)
                 if all_cross_attentions is not None:
-                    all_cross_attentions += (position["attention_weights"][1],)
+                    all_cross_attentions += (cross_attention_weights,)
         hidden_states = self.dropout(self.final_layer_norm(hidden_states))
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
@@ -545,25 +469,25 @@ def _checked_segment_ids(segment_ids, mask, batch, length, name):
 
 def _packed_segments(segment_ids, attention_mask, encoder_segment_ids, encoder_attention_mask,
                      encoder_hidden_states, batch, length, q_offset, is_decoder):
-    """{"segments": self-attention PackedSegments, "cross_segments": cross-attention's} for a packed batch,
-    {} otherwise."""
+    """(self-attention PackedSegments, cross-attention's) for a packed batch, (None, None) otherwise; the
+    cross-attention's is None in the encoder."""
     if segment_ids is None:
         if encoder_segment_ids is not None:
             raise ValueError("packed batches need decoder_segment_ids as well as segment_ids")
-        return {}
+        return None, None
     if q_offset:
         raise ValueError("segment_ids (packed batches) are for training and scoring whole sequences, not for "
                          "decoding step by step with a cache")
     segment_ids = _checked_segment_ids(segment_ids, attention_mask, batch, length,
                                        "decoder_segment_ids" if is_decoder else "segment_ids")
-    packed = {"segments": PackedSegments(segment_ids, segment_ids)}
+    cross_segments = None
     if encoder_hidden_states is not None:
         if encoder_segment_ids is None:
             raise ValueError("packed batches need segment_ids as well as decoder_segment_ids")
         encoder_segment_ids = _checked_segment_ids(encoder_segment_ids, encoder_attention_mask, batch,
                                                    encoder_hidden_states.shape[1], "segment_ids")
-        packed["cross_segments"] = PackedSegments(segment_ids, encoder_segment_ids)
-    return packed
+        cross_segments = PackedSegments(segment_ids, encoder_segment_ids)
+    return PackedSegments(segment_ids, segment_ids), cross_segments
 
 
 def _key_mask(mask, batch, key_length, name):

@@ -11,15 +11,12 @@ import sys
 import pytest
 import torch
 
-from fat5.attention_fat5 import alibi_slopes, dense_bias, relative_position_bucket, relative_positions
+from fat5.attention_fat5 import alibi_slopes
 from fat5.kernels import flash_attention_t5 as kernel_module
-from fat5.kernels.flash_attention_t5 import (
-    flash_attention_t5,
-    flash_attention_t5_reference,
-    flash_attention_t5_varlen,
-    flash_attention_t5_varlen_reference,
-    relative_bias_lut,
-)
+from fat5.kernels.flash_attention_t5 import flash_attention_t5, flash_attention_t5_varlen, relative_bias_lut
+from fat5.reference_fat5 import dense_bias, relative_position_bucket, relative_positions
+from fat5.reference_fat5 import eager_attention as flash_attention_t5_reference
+from references import flash_attention_t5_varlen_reference
 
 # fp32 inputs against the fp64 reference: |error| <= TOLERANCE * max |reference|.
 FP32_TOLERANCE = 1e-4

@@ -6,10 +6,11 @@ Chunks are made tiny (a few tokens) so every call spans several chunks and a rag
 import pytest
 import torch
 
+from fat5 import loss_fat5 as loss_module
 from fat5.configuration_fat5 import FAT5Config
-from fat5.kernels import linear_cross_entropy as loss_module
-from fat5.kernels.linear_cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+from fat5.loss_fat5 import linear_cross_entropy
 from fat5.modeling_fat5 import FAT5ForConditionalGeneration
+from references import linear_cross_entropy_reference
 from t5_checkpoints import padded_batch
 
 VOCAB, DIM, TOKENS = 97, 24, 41

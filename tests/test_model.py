@@ -7,6 +7,7 @@ from transformers import AutoModel, AutoModelForSeq2SeqLM, AutoModelForTokenClas
 
 import fat5  # noqa: F401  registers the Auto classes
 from fat5.configuration_fat5 import FAT5Config
+from fat5.loss_fat5 import seq2seq_lm_loss
 from fat5.modeling_fat5 import (
     FAT5EncoderModel,
     FAT5ForConditionalGeneration,
@@ -14,7 +15,6 @@ from fat5.modeling_fat5 import (
     FAT5ForSequenceClassification,
     FAT5ForTokenClassification,
     FAT5Model,
-    seq2seq_lm_loss,
 )
 from t5_checkpoints import padded_batch
 
@@ -195,7 +195,7 @@ def test_triton_backend_refuses_dropout_in_training():
 
 
 def test_auto_backend_is_sdpa_on_cpu():
-    from fat5.modeling_fat5 import select_attention_backend
+    from fat5.attention_fat5 import select_attention_backend
 
     query = torch.zeros(1, 4, 3, 8)
     assert select_attention_backend(tiny_config(), query, False, 0.0) == "sdpa"

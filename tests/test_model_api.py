@@ -65,10 +65,29 @@ def test_output_attentions_returns_the_eager_attention_weights():
     hidden = attention.layer_norm(model.shared(batch["input_ids"]))
     value = attention.SelfAttention._project(attention.SelfAttention.v, hidden)
     mixed = (output.encoder_attentions[0] @ value).transpose(1, 2).reshape(3, 29, 32)
-    expected = attention.SelfAttention(hidden, key_padding_mask=batch["attention_mask"].bool(),
-                                       position=model.encoder._position_inputs(29, 29, 0, "cpu"))
+    expected, _ = attention.SelfAttention(hidden, key_padding_mask=batch["attention_mask"].bool(),
+                                          position=model.encoder._position_inputs(29, 29, 0, "cpu"))
     tolerance = 1e-5 * expected.abs().max().item()
     assert torch.allclose(attention.SelfAttention.o(mixed), expected, rtol=1e-4, atol=tolerance)
+
+
+def test_attention_layers_and_blocks_return_weights_only_when_asked():
+    model = tiny()
+    block = model.decoder.block[1]
+    hidden, encoder_hidden = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    with torch.no_grad():
+        output, weights = block.layer[0].SelfAttention(hidden)
+        assert weights is None and output.shape == hidden.shape
+        output_with_weights, weights = block.layer[0].SelfAttention(hidden, output_attentions=True)
+        assert weights.shape == (2, 4, 5, 5)
+        assert torch.allclose(output_with_weights, output, rtol=0, atol=1e-5 * output.abs().max().item())
+        plain = block(hidden, encoder_hidden_states=encoder_hidden)
+        with_weights = block(hidden, encoder_hidden_states=encoder_hidden, output_attentions=True)
+    assert plain[1] is None and plain[2] is None
+    assert with_weights[1].shape == (2, 4, 5, 5) and with_weights[2].shape == (2, 4, 5, 7)
+    # Only the block that owns the stack's relative-bias table hands it on.
+    assert plain[3] is None
+    assert model.decoder.block[0](hidden, encoder_hidden_states=encoder_hidden)[3].shape == (8, 4)
 
 
 def test_generate_returns_attentions_of_every_step():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import Trainer, TrainingArguments
 
-from fat5.attention_fat5 import eager_attention, sdpa_attention, segment_positions
+from fat5.attention_fat5 import sdpa_attention, segment_positions
 from fat5.configuration_fat5 import FAT5Config
 from fat5.modeling_fat5 import (
     FAT5EncoderModel,
@@ -15,6 +15,7 @@ from fat5.modeling_fat5 import (
     FAT5ForSequenceClassification,
     FAT5Model,
 )
+from fat5.reference_fat5 import eager_attention
 from fat5.training.packing import (
     PackedSeq2SeqCollator,
     PaddingFractionLoggingMixin,

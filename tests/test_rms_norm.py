@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from fat5.kernels import rms_norm as kernel_module
-from fat5.kernels.rms_norm import rms_norm, rms_norm_reference
+from fat5.kernels.rms_norm import rms_norm
 from fat5.modeling_fat5 import FAT5LayerNorm
+from fat5.reference_fat5 import t5_rms_norm as rms_norm_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6

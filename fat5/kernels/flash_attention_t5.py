@@ -33,8 +33,7 @@ except ImportError as error:  # the model imports this module only for the "trit
     raise ImportError("FAT5's triton attention backend needs triton: pip install triton "
                       "(or use attention_backend='sdpa')") from error
 
-from ..attention_fat5 import eager_attention as flash_attention_t5_reference
-from ..attention_fat5 import relative_position_bucket
+from ..reference_fat5 import relative_position_bucket
 
 HEAD_DIMS = (32, 64, 128)
 BIAS_NONE, BIAS_LUT, BIAS_ALIBI = 0, 1, 2
@@ -726,17 +725,4 @@ def flash_attention_t5_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max
     return out
 
 
-def flash_attention_t5_varlen_reference(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                        max_seqlen_k, **kwargs):
-    """Plain-torch reference of the packed layout: the eager reference on each sequence."""
-    outputs = []
-    for n in range(cu_seqlens_q.numel() - 1):
-        q = query[cu_seqlens_q[n]:cu_seqlens_q[n + 1]].transpose(0, 1)[None]
-        k = key[cu_seqlens_k[n]:cu_seqlens_k[n + 1]].transpose(0, 1)[None]
-        v = value[cu_seqlens_k[n]:cu_seqlens_k[n + 1]].transpose(0, 1)[None]
-        outputs.append(flash_attention_t5_reference(q, k, v, **kwargs)[0].transpose(0, 1))
-    return torch.cat(outputs)
-
-
-__all__ = ["flash_attention_t5", "flash_attention_t5_varlen", "flash_attention_t5_reference",
-           "flash_attention_t5_varlen_reference", "relative_bias_lut"]
+__all__ = ["flash_attention_t5", "flash_attention_t5_varlen", "relative_bias_lut"]

@@ -17,7 +17,7 @@ try:
 except ImportError as error:  # the model imports this module only for CUDA tensors with triton installed
     raise ImportError("FAT5's fused RMSNorm needs triton: pip install triton") from error
 
-from ..modeling_fat5 import t5_rms_norm as rms_norm_reference
+from ..reference_fat5 import t5_rms_norm as rms_norm_reference
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Tests set this to fill outputs with NaN before the kernels run, so an element left unwritten fails loudly.

@@ -1,14 +1,15 @@
-"""LM head + cross-entropy without the (tokens, vocab) fp32 logits: chunked, gradients computed in the forward.
+"""The model's LM loss: `seq2seq_lm_loss` on logits, and `linear_cross_entropy`, the LM head + the same loss
+without the (tokens, vocab) fp32 logits: chunked, gradients computed in the forward.
 
 At mT5's vocabulary (250,112) and 8,192 target tokens the full logits are 8.2 GB in fp32, and the plain loss
 keeps several such tensors alive (logits, log-softmax, their gradient). Here the tokens are cut into chunks
 whose logits fit in `CHUNK_BYTES`, and each chunk's logits are turned, in place, into their contribution to the
 loss and to the gradients of the hidden states and of the head's weight before the next chunk is computed.
 
-Loss (the same as `seq2seq_lm_loss` on full logits, the plain reference beside it): cross-entropy with optional
-label smoothing over tokens whose label is not -100, plus `z_loss * logsumexp(logits)**2` on the same tokens;
-their mean, or their sum / `num_items_in_batch` as the Trainer asks under gradient accumulation. Logits are
-computed in the weight's dtype (as `nn.Linear` would) and the softmax in fp32.
+Loss (the same as `seq2seq_lm_loss` on full logits): cross-entropy with optional label smoothing over tokens
+whose label is not -100, plus `z_loss * logsumexp(logits)**2` on the same tokens; their mean, or their sum /
+`num_items_in_batch` as the Trainer asks under gradient accumulation. Logits are computed in the weight's dtype
+(as `nn.Linear` would) and the softmax in fp32.
 
 `implementation="liger"` uses liger-kernel's fused linear cross-entropy (CUDA only, optional dependency).
 """
@@ -38,12 +39,6 @@ def seq2seq_lm_loss(logits, labels, label_smoothing=0.0, z_loss=0.0, num_items_i
     if num_items_in_batch is not None:
         loss = loss / num_items_in_batch
     return loss
-
-
-def linear_cross_entropy_reference(hidden, weight, labels, label_smoothing=0.0, z_loss=0.0,
-                                   num_items_in_batch=None):
-    """Plain torch: full logits `hidden @ weight.T`, then `seq2seq_lm_loss`."""
-    return seq2seq_lm_loss(F.linear(hidden, weight), labels, label_smoothing, z_loss, num_items_in_batch)
 
 
 def _chunk_size(tokens, vocab_size):

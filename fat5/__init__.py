@@ -10,6 +10,7 @@ from transformers import (
     AutoModelForQuestionAnswering,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
+    AutoModelForTextEncoding,
     AutoModelForTokenClassification,
 )
 
@@ -32,6 +33,7 @@ AUTO_CLASSES = {
     AutoModelForSequenceClassification: FAT5ForSequenceClassification,
     AutoModelForTokenClassification: FAT5ForTokenClassification,
     AutoModelForQuestionAnswering: FAT5ForQuestionAnswering,
+    AutoModelForTextEncoding: FAT5EncoderModel,
 }
 
 AutoConfig.register(FAT5Config.model_type, FAT5Config, exist_ok=True)

@@ -37,6 +37,7 @@ from .attention_fat5 import (
 )
 from .configuration_fat5 import FAT5Config
 from .loss_fat5 import linear_cross_entropy, seq2seq_lm_loss
+from .peft_fat5 import register_fat5_with_peft
 from .reference_fat5 import relative_positions, t5_rms_norm
 from .remote_code_fat5 import mark_as_package, save_as_package
 
@@ -50,6 +51,9 @@ try:
 except ImportError:  # transformers 4.x only initialises modules whose weights are missing
     from torch.nn import init
 
+register_fat5_with_peft(FAT5Config.model_type)
+
+
 def t5_linear(in_features, out_features, init_std, bias=False):
     """nn.Linear that records the standard deviation T5's initialisation gives it (read by `_init_weights`)."""
     linear = nn.Linear(in_features, out_features, bias=bias)
@@ -61,6 +65,16 @@ def t5_embedding(num_embeddings, embedding_dim, init_std):
     embedding = nn.Embedding(num_embeddings, embedding_dim)
     embedding.init_std = init_std
     return embedding
+
+
+def to_weight_dtype(hidden_states, linear):
+    """`hidden_states` in the dtype of `linear`'s weight (wo may be kept in fp32 by `_keep_in_fp32_modules` while
+    the rest runs in fp16). Quantized layers take their input as it is: torch's dynamic quantization makes
+    `weight` a method, int8 layers (bitsandbytes) cast themselves."""
+    weight = linear.weight
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+        return hidden_states.to(weight.dtype)
+    return hidden_states
 
 
 class FAT5LayerNorm(nn.Module):
@@ -90,8 +104,7 @@ class FAT5DenseActDense(nn.Module):
 
     def forward(self, hidden_states):
         hidden_states = self.dropout(self.act(self.wi(hidden_states)))
-        # wo may be kept in fp32 (`_keep_in_fp32_modules`) while the rest runs in fp16.
-        return self.wo(hidden_states.to(self.wo.weight.dtype))
+        return self.wo(to_weight_dtype(hidden_states, self.wo))
 
 
 class FAT5DenseGatedActDense(nn.Module):
@@ -106,7 +119,7 @@ class FAT5DenseGatedActDense(nn.Module):
     def forward(self, hidden_states):
         hidden_states = self.act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
         hidden_states = self.dropout(hidden_states)
-        return self.wo(hidden_states.to(self.wo.weight.dtype))
+        return self.wo(to_weight_dtype(hidden_states, self.wo))
 
 
 class FAT5LayerFF(nn.Module):
@@ -319,128 +332,6 @@ class FAT5Block(GradientCheckpointingLayer):
         return hidden_states, self_attention_weights, cross_attention_weights, shared_table
 
 
-class FAT5Stack(nn.Module):
-    """The encoder or the decoder: blocks, final norm, and the position parameters every layer needs."""
-
-    main_input_name = "input_ids"  # generate() calls the encoder directly
-
-    def __init__(self, config, embed_tokens, is_decoder):
-        super().__init__()
-        self.config = config
-        self.is_decoder = is_decoder
-        # The stack embeds with the model's `shared` embedding without registering it as a child, so the tensor
-        # is saved once, as `shared.weight`, as in T5 checkpoints (and needs no tying).
-        self.__dict__["embed_tokens"] = embed_tokens
-        num_layers = config.num_decoder_layers if is_decoder else config.num_layers
-        owns_position = config.position_encoding_type in ("t5", "fire")
-        self.block = nn.ModuleList([
-            FAT5Block(config, is_decoder,
-                      has_relative_attention_bias=owns_position and (i == 0 or config.relative_bias_per_layer),
-                      layer_idx=i)
-            for i in range(num_layers)
-        ])
-        self.final_layer_norm = FAT5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
-        self.dropout = nn.Dropout(config.dropout_rate)
-
-    def set_input_embeddings(self, embed_tokens):
-        self.__dict__["embed_tokens"] = embed_tokens
-
-    def _position_inputs(self, query_length, key_length, q_offset, device, positions=None, segments=None,
-                         cross_segments=None):
-        """Small per-forward position parameters shared by every layer (never an (L, L) T5 bias). `positions`
-        (B, L): per-segment positions of a packed batch (T5 and ALiBi need none: see `attention_fat5`)."""
-        config = self.config
-        kind = config.position_encoding_type
-        first_attention = self.block[0].layer[0].SelfAttention if len(self.block) else None
-        slopes = dense_bias = rotary = None
-        if kind == "alibi":
-            slopes = alibi_slopes(config.num_heads).to(device)
-        elif kind == "fire" and first_attention is not None:
-            dense_bias = first_attention.fire(query_length, key_length, q_offset, device, positions)
-        elif kind == "rope":
-            if positions is None:
-                rotary = rotary_cos_sin(torch.arange(query_length, device=device) + q_offset, config.d_kv,
-                                        config.rope_theta, device)
-            else:
-                cos, sin = rotary_cos_sin(positions, config.d_kv, config.rope_theta, device)
-                rotary = cos[:, None], sin[:, None]  # (B, 1, L, D) against (B, H, L, D)
-        return PositionInputs(q_offset=q_offset, cache_position=torch.arange(query_length, device=device) + q_offset,
-                              alibi_slopes=slopes, position_bias=dense_bias, rotary=rotary, segments=segments,
-                              cross_segments=cross_segments)
-
-    def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
-                inputs_embeds=None, past_key_values=None, use_cache=None, output_hidden_states=None,
-                output_attentions=None, return_dict=True, segment_ids=None, encoder_segment_ids=None, **kwargs):
-        if (input_ids is None) == (inputs_embeds is None):
-            if self.is_decoder:
-                raise ValueError("You have to specify either decoder_input_ids or decoder_inputs_embeds (or labels, "
-                                 "from which FAT5ForConditionalGeneration makes them); for encoder features alone, "
-                                 "use FAT5EncoderModel or model.get_encoder()")
-            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
-        batch, length = inputs_embeds.shape[:2]
-        if not self.is_decoder:
-            past_key_values = None
-        elif use_cache and past_key_values is None:
-            past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        q_offset = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if isinstance(q_offset, torch.Tensor):
-            # A static cache's own counter, which its update() advances in place during this forward.
-            q_offset = q_offset.clone()
-        static_length = _static_cache_length(past_key_values)
-        key_length = q_offset + length if static_length is None else static_length
-        if attention_mask is not None and attention_mask.dim() == 4 and self.is_decoder:
-            attention_mask = _key_mask_from_causal_mask(attention_mask)
-        if static_length is not None and attention_mask is not None and attention_mask.shape[-1] < static_length:
-            # A static cache returns all its slots; the ones not yet written are future keys, hidden by causality.
-            attention_mask = F.pad(attention_mask, (0, static_length - attention_mask.shape[-1]), value=1)
-        key_padding_mask = _key_mask(attention_mask, batch, key_length, "attention_mask")
-        encoder_key_padding_mask = None
-        if encoder_hidden_states is not None:
-            encoder_key_padding_mask = _key_mask(encoder_attention_mask, batch, encoder_hidden_states.shape[1],
-                                                 "encoder_attention_mask")
-        segments, cross_segments = _packed_segments(segment_ids, attention_mask, encoder_segment_ids,
-                                                    encoder_attention_mask, encoder_hidden_states, batch, length,
-                                                    q_offset, self.is_decoder)
-        positions = None
-        if segments is not None:
-            key_padding_mask = encoder_key_padding_mask = None  # the segment ids carry the padding
-            positions = segment_positions(segments.query_segment_ids)
-        position = self._position_inputs(length, key_length, q_offset, inputs_embeds.device, positions, segments,
-                                         cross_segments)
-
-        hidden_states = self.dropout(inputs_embeds)
-        if hidden_states.dtype == torch.float16:
-            # fp16 overflows in T5's residual stream (FFN outputs reach 1e5): carry the residual in fp32.
-            hidden_states = hidden_states.float()
-        all_hidden_states = () if output_hidden_states else None
-        bias_table = None  # set by the first block when the stack shares its relative-bias table
-        all_attentions = () if output_attentions else None
-        all_cross_attentions = () if output_attentions and encoder_hidden_states is not None else None
-        for block in self.block:
-            if output_hidden_states:
-                all_hidden_states += (hidden_states,)
-            hidden_states, self_attention_weights, cross_attention_weights, shared_table = block(
-                hidden_states, key_padding_mask, encoder_hidden_states, encoder_key_padding_mask, position,
-                past_key_values, bias_table, output_attentions)
-            if shared_table is not None:
-                bias_table = shared_table
-            if output_attentions:
-                all_attentions += (self_attention_weights,)
-                if all_cross_attentions is not None:
-                    all_cross_attentions += (cross_attention_weights,)
-        hidden_states = self.dropout(self.final_layer_norm(hidden_states))
-        if output_hidden_states:
-            all_hidden_states += (hidden_states,)
-        output = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states,
-                                                           past_key_values=past_key_values,
-                                                           hidden_states=all_hidden_states,
-                                                           attentions=all_attentions,
-                                                           cross_attentions=all_cross_attentions)
-        return output if return_dict is not False else output.to_tuple()
-
-
 def _static_cache_length(past_key_values):
     """Length of the keys a static (compileable) self-attention cache returns (all its slots), else None."""
     cache = getattr(past_key_values, "self_attention_cache", None)
@@ -529,9 +420,13 @@ class FAT5PreTrainedModel(PreTrainedModel):
     _no_split_modules = ["FAT5Block"]
     # fp16 only: T5's FFN output overflows in half precision (transformers#20287).
     _keep_in_fp32_modules = ["wo"]
+    # What transformers (and its test suites) read from a model class. FAT5 switches between eager and SDPA (see
+    # set_attn_implementation) and runs its own flash kernel rather than transformers' flash/flex integrations.
     _supports_sdpa = True
     _supports_flash_attn = False
     _supports_flex_attn = False
+    # Every class, and generate's decode step with a static cache, traces as one graph (tests/test_compile.py).
+    _can_compile_fullgraph = True
     _keys_to_ignore_on_load_unexpected = [r"encoder\.embed_tokens\.weight", r"decoder\.embed_tokens\.weight"]
 
     @torch.no_grad()
@@ -560,7 +455,7 @@ class FAT5PreTrainedModel(PreTrainedModel):
         hub_kwargs = {name: kwargs.pop(name) for name in ("repo_id", "commit_message", "commit_description",
                                                           "private", "token", "revision", "create_pr")
                       if name in kwargs}
-        mark_as_package(self.config)
+        mark_as_package(self.config, encoder_only=isinstance(self, FAT5EncoderMixin))
         parent_save = super().save_pretrained
         with _no_transformers_code_copy(type(self)):
             save_as_package(lambda staging: parent_save(staging, *args, **kwargs), save_directory)
@@ -574,6 +469,12 @@ class FAT5PreTrainedModel(PreTrainedModel):
         return_dict = self.config.return_dict if return_dict is None else return_dict
         return output if return_dict else output.to_tuple()
 
+    @classmethod
+    def _can_set_attn_implementation(cls):
+        """transformers guesses this from the module's source (attention through its AttentionInterface); FAT5
+        switches with its own set_attn_implementation below."""
+        return True
+
     def set_attn_implementation(self, attn_implementation, *args, **kwargs):
         """transformers' names mapped onto FAT5's backends: "eager" and "sdpa" set `config.attention_backend`.
         FAT5 computes attention itself (the Triton kernel is attention_backend="triton", or "auto" on CUDA), so
@@ -581,9 +482,9 @@ class FAT5PreTrainedModel(PreTrainedModel):
         requested = attn_implementation.get("", None) if isinstance(attn_implementation, dict) else attn_implementation
         if requested not in ("eager", "sdpa"):
             raise ValueError(
-                f"FAT5 maps set_attn_implementation('eager') and ('sdpa') onto config.attention_backend; "
-                f"{requested!r} is not one of them. For the Triton kernel set model.config.attention_backend = "
-                "'triton' (or 'auto', which uses it on CUDA)")
+                f'Specified `attn_implementation="{requested}"` is not supported by FAT5, which maps '
+                "set_attn_implementation('eager') and ('sdpa') onto config.attention_backend. For the Triton kernel "
+                "set model.config.attention_backend = 'triton' (or 'auto', which uses it on CUDA)")
         self.config.attention_backend = requested
         self.config._attn_implementation_internal = requested
 
@@ -605,13 +506,179 @@ class FAT5PreTrainedModel(PreTrainedModel):
         return shifted.masked_fill(shifted == -100, self.config.pad_token_id)
 
 
+class FAT5Stack(FAT5PreTrainedModel):
+    """The encoder or the decoder: embedding, blocks, final norm, and the position parameters every layer needs.
+    A model in its own right, as T5's stacks are (`model.get_encoder()` exports, moves and reports its dtype on its
+    own); in the full models its `embed_tokens` is the model's `shared` embedding (see `share_embedding`)."""
+
+    def __init__(self, config, embed_tokens=None, is_decoder=False):
+        super().__init__(config)
+        self.is_decoder = is_decoder
+        if embed_tokens is None:
+            embed_tokens = t5_embedding(config.vocab_size, config.d_model, init_std=1.0)
+        self.embed_tokens = embed_tokens
+        num_layers = config.num_decoder_layers if is_decoder else config.num_layers
+        owns_position = config.position_encoding_type in ("t5", "fire")
+        self.block = nn.ModuleList([
+            FAT5Block(config, is_decoder,
+                      has_relative_attention_bias=owns_position and (i == 0 or config.relative_bias_per_layer),
+                      layer_idx=i)
+            for i in range(num_layers)
+        ])
+        self.final_layer_norm = FAT5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
+        self.dropout = nn.Dropout(config.dropout_rate)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, embed_tokens):
+        self.embed_tokens = embed_tokens
+
+    def _position_inputs(self, query_length, key_length, q_offset, device, positions=None, segments=None,
+                         cross_segments=None):
+        """Small per-forward position parameters shared by every layer (never an (L, L) T5 bias). `positions`
+        (B, L): per-segment positions of a packed batch (T5 and ALiBi need none: see `attention_fat5`)."""
+        config = self.config
+        kind = config.position_encoding_type
+        first_attention = self.block[0].layer[0].SelfAttention if len(self.block) else None
+        slopes = dense_bias = rotary = None
+        if kind == "alibi":
+            slopes = alibi_slopes(config.num_heads).to(device)
+        elif kind == "fire" and first_attention is not None:
+            dense_bias = first_attention.fire(query_length, key_length, q_offset, device, positions)
+        elif kind == "rope":
+            if positions is None:
+                rotary = rotary_cos_sin(torch.arange(query_length, device=device) + q_offset, config.d_kv,
+                                        config.rope_theta, device)
+            else:
+                cos, sin = rotary_cos_sin(positions, config.d_kv, config.rope_theta, device)
+                rotary = cos[:, None], sin[:, None]  # (B, 1, L, D) against (B, H, L, D)
+        return PositionInputs(q_offset=q_offset, cache_position=torch.arange(query_length, device=device) + q_offset,
+                              alibi_slopes=slopes, position_bias=dense_bias, rotary=rotary, segments=segments,
+                              cross_segments=cross_segments)
+
+    def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
+                inputs_embeds=None, past_key_values=None, use_cache=None, output_hidden_states=None,
+                output_attentions=None, return_dict=None, segment_ids=None, encoder_segment_ids=None, **kwargs):
+        """Arguments left as None take the config's values (`output_attentions`, `output_hidden_states`,
+        `return_dict`, and for the decoder `use_cache`), as transformers' T5 stacks do."""
+        config = self.config
+        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        return_dict = config.return_dict if return_dict is None else return_dict
+        if use_cache and not self.is_decoder:
+            raise ValueError("use_cache=True is for the decoder: the encoder keeps no cache")
+        if use_cache is None:
+            use_cache = self.is_decoder and config.use_cache and not self.training
+        if (input_ids is None) == (inputs_embeds is None):
+            if self.is_decoder:
+                raise ValueError("You have to specify either decoder_input_ids or decoder_inputs_embeds (or labels, "
+                                 "from which FAT5ForConditionalGeneration makes them); for encoder features alone, "
+                                 "use FAT5EncoderModel or model.get_encoder()")
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch, length = inputs_embeds.shape[:2]
+        if not self.is_decoder:
+            past_key_values = None
+        elif use_cache and past_key_values is None:
+            past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        q_offset = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if isinstance(q_offset, torch.Tensor):
+            # A static cache's own counter, which its update() advances in place during this forward.
+            q_offset = q_offset.clone()
+        static_length = _static_cache_length(past_key_values)
+        key_length = q_offset + length if static_length is None else static_length
+        if attention_mask is not None and attention_mask.dim() == 4 and self.is_decoder:
+            attention_mask = _key_mask_from_causal_mask(attention_mask)
+        if static_length is not None and attention_mask is not None and attention_mask.shape[-1] < static_length:
+            # A static cache returns all its slots; the ones not yet written are future keys, hidden by causality.
+            attention_mask = F.pad(attention_mask, (0, static_length - attention_mask.shape[-1]), value=1)
+        key_padding_mask = _key_mask(attention_mask, batch, key_length, "attention_mask")
+        encoder_key_padding_mask = None
+        if encoder_hidden_states is not None:
+            encoder_key_padding_mask = _key_mask(encoder_attention_mask, batch, encoder_hidden_states.shape[1],
+                                                 "encoder_attention_mask")
+        segments, cross_segments = _packed_segments(segment_ids, attention_mask, encoder_segment_ids,
+                                                    encoder_attention_mask, encoder_hidden_states, batch, length,
+                                                    q_offset, self.is_decoder)
+        positions = None
+        if segments is not None:
+            key_padding_mask = encoder_key_padding_mask = None  # the segment ids carry the padding
+            positions = segment_positions(segments.query_segment_ids)
+        position = self._position_inputs(length, key_length, q_offset, inputs_embeds.device, positions, segments,
+                                         cross_segments)
+
+        hidden_states = self.dropout(inputs_embeds)
+        if hidden_states.dtype == torch.float16:
+            # fp16 overflows in T5's residual stream (FFN outputs reach 1e5): carry the residual in fp32.
+            hidden_states = hidden_states.float()
+        all_hidden_states = () if output_hidden_states else None
+        bias_table = None  # set by the first block when the stack shares its relative-bias table
+        all_attentions = () if output_attentions else None
+        all_cross_attentions = () if output_attentions and encoder_hidden_states is not None else None
+        for block in self.block:
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            hidden_states, self_attention_weights, cross_attention_weights, shared_table = block(
+                hidden_states, key_padding_mask, encoder_hidden_states, encoder_key_padding_mask, position,
+                past_key_values, bias_table, output_attentions)
+            if shared_table is not None:
+                bias_table = shared_table
+            if output_attentions:
+                all_attentions += (self_attention_weights,)
+                if all_cross_attentions is not None:
+                    all_cross_attentions += (cross_attention_weights,)
+        hidden_states = self.dropout(self.final_layer_norm(hidden_states))
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+        output = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states,
+                                                           past_key_values=past_key_values,
+                                                           hidden_states=all_hidden_states,
+                                                           attentions=all_attentions,
+                                                           cross_attentions=all_cross_attentions)
+        return output if return_dict else output.to_tuple()
+
+
+STACK_NAMES = ("encoder", "decoder")
+
+
+def _stack_embedding_aliases(model, prefix=""):
+    """State-dict names of stack embeddings that are the model's `shared` embedding."""
+    return [f"{prefix}{name}.embed_tokens.weight" for name in STACK_NAMES
+            if getattr(getattr(model, name, None), "embed_tokens", None) is model.shared]
+
+
+def _drop_embedding_aliases(model, state_dict, prefix, local_metadata):
+    for alias in _stack_embedding_aliases(model, prefix):
+        state_dict.pop(alias, None)
+
+
+def _fill_embedding_aliases(model, state_dict, prefix, *args):
+    shared = state_dict.get(f"{prefix}shared.weight")
+    for alias in _stack_embedding_aliases(model, prefix):
+        if shared is not None:
+            state_dict.setdefault(alias, shared)
+
+
+def share_embedding(model, config, stack_names):
+    """Build `model.shared` and the stacks named in `stack_names`, each owning that one embedding as its
+    `embed_tokens` (tracing, exports and `.to()` of a stack alone need it as a submodule). It stays one tensor:
+    the model's state dict names it once, `shared.weight`, as T5 checkpoints do (so saved files and loading are
+    unchanged), and a load fills the stacks' names from it."""
+    model.shared = t5_embedding(config.vocab_size, config.d_model, init_std=1.0)
+    for name in stack_names:
+        setattr(model, name, FAT5Stack(config, model.shared, is_decoder=name == "decoder"))
+    model.register_state_dict_post_hook(_drop_embedding_aliases)
+    model.register_load_state_dict_pre_hook(_fill_embedding_aliases)
+
+
 class FAT5EncoderDecoderMixin:
     """Shared plumbing of the two encoder-decoder classes."""
 
     def _build_encoder_decoder(self, config):
-        self.shared = t5_embedding(config.vocab_size, config.d_model, init_std=1.0)
-        self.encoder = FAT5Stack(config, self.shared, is_decoder=False)
-        self.decoder = FAT5Stack(config, self.shared, is_decoder=True)
+        share_embedding(self, config, STACK_NAMES)
 
     def get_input_embeddings(self):
         return self.shared
@@ -621,19 +688,14 @@ class FAT5EncoderDecoderMixin:
         self.encoder.set_input_embeddings(new_embeddings)
         self.decoder.set_input_embeddings(new_embeddings)
 
-    def get_encoder(self, *args, **kwargs):
-        return self.encoder
-
-    def get_decoder(self):
-        return self.decoder
-
     def _encode_and_decode(self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask,
                            encoder_outputs, past_key_values, inputs_embeds, decoder_inputs_embeds, use_cache,
                            output_hidden_states, output_attentions=None, segment_ids=None, decoder_segment_ids=None):
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
                                            inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states,
-                                           output_attentions=output_attentions, segment_ids=segment_ids)
+                                           output_attentions=output_attentions, segment_ids=segment_ids,
+                                           return_dict=True)
         elif not isinstance(encoder_outputs, BaseModelOutput):
             encoder_outputs = BaseModelOutput(last_hidden_state=encoder_outputs[0])
         if use_cache is None:
@@ -644,7 +706,7 @@ class FAT5EncoderDecoderMixin:
                                        encoder_attention_mask=attention_mask, use_cache=use_cache,
                                        output_hidden_states=output_hidden_states,
                                        output_attentions=output_attentions, segment_ids=decoder_segment_ids,
-                                       encoder_segment_ids=segment_ids)
+                                       encoder_segment_ids=segment_ids, return_dict=True)
         return encoder_outputs, decoder_outputs
 
 
@@ -709,7 +771,7 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
         if self.config.scale_decoder_outputs:
             # T5 v1.0 ties the LM head to the input embedding and rescales before it.
             sequence_output = sequence_output * self.model_dim**-0.5
-        sequence_output = sequence_output.to(self.lm_head.weight.dtype)
+        sequence_output = to_weight_dtype(sequence_output, self.lm_head)
         loss = logits = None
         if labels is not None and self._loss_without_logits():
             loss = linear_cross_entropy(sequence_output, self.lm_head.weight, labels, self.config.label_smoothing,
@@ -757,8 +819,7 @@ class FAT5EncoderMixin:
     _keys_to_ignore_on_load_unexpected = [r"decoder\.", r"lm_head\.", r"encoder\.embed_tokens\.weight"]
 
     def _build_encoder(self, config):
-        self.shared = t5_embedding(config.vocab_size, config.d_model, init_std=1.0)
-        self.encoder = FAT5Stack(config, self.shared, is_decoder=False)
+        share_embedding(self, config, ("encoder",))
 
     def get_input_embeddings(self):
         return self.shared
@@ -767,14 +828,11 @@ class FAT5EncoderMixin:
         self.shared = new_embeddings
         self.encoder.set_input_embeddings(new_embeddings)
 
-    def get_encoder(self, *args, **kwargs):
-        return self.encoder
-
     def _encode(self, input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions=None,
                 segment_ids=None):
         return self.encoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                             output_hidden_states=output_hidden_states, output_attentions=output_attentions,
-                            segment_ids=segment_ids)
+                            segment_ids=segment_ids, return_dict=True)
 
 
 class FAT5EncoderModel(FAT5EncoderMixin, FAT5PreTrainedModel):

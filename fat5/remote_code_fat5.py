@@ -42,6 +42,7 @@ AUTO_MAP = {
     "AutoModelForSequenceClassification": "modeling_fat5.FAT5ForSequenceClassification",
     "AutoModelForTokenClassification": "modeling_fat5.FAT5ForTokenClassification",
     "AutoModelForQuestionAnswering": "modeling_fat5.FAT5ForQuestionAnswering",
+    "AutoModelForTextEncoding": "modeling_fat5.FAT5EncoderModel",
 }
 PIPELINE_TASK = "text2text-generation"
 # Weight files of an earlier save (unsharded, shards, index), never kept beside a new save's weights.
@@ -97,9 +98,13 @@ def write_remote_code(folder):
         (Path(folder) / flat_name).write_text(flatten_imports(source.read_text()))
 
 
-def mark_as_package(config):
-    """Set the config fields that make a saved folder load through the Auto classes and the pipeline."""
+def mark_as_package(config, encoder_only=False):
+    """Set the config fields that make a saved folder load through the Auto classes and the pipeline.
+    `encoder_only`: the folder holds no decoder weights (an encoder-only class saved it), so its base model,
+    `AutoModel` (what sentence-transformers loads), is the encoder."""
     config.auto_map = dict(AUTO_MAP)
+    if encoder_only:
+        config.auto_map["AutoModel"] = AUTO_MAP["AutoModelForTextEncoding"]
     config.custom_pipelines = custom_pipelines_entry()
 
 

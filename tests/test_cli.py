@@ -52,7 +52,7 @@ def test_writes_a_complete_sharded_folder(flan, tmp_path):
     assert config["auto_map"]["AutoModelForSeq2SeqLM"] == "modeling_fat5.FAT5ForConditionalGeneration"
     assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForSeq2SeqLM",
                                        "AutoModelForSequenceClassification", "AutoModelForTokenClassification",
-                                       "AutoModelForQuestionAnswering"}
+                                       "AutoModelForQuestionAnswering", "AutoModelForTextEncoding"}
     assert config["custom_pipelines"]["text2text-generation"]["impl"] == \
         "pipeline_fat5.FAT5Text2TextGenerationPipeline"
     # Flat remote code: only same-folder relative imports.

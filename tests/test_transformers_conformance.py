@@ -1,0 +1,475 @@
+"""FAT5 as a drop-in for transformers' T5: what transformers' ModelTesterMixin / GenerationTesterMixin check on T5,
+checked on FAT5 (the README's "transformers conformance" list says which checks do not apply and why). Where T5
+answers the same question, T5 built from the same config is the spec."""
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForTextEncoding,
+    CompileConfig,
+    PreTrainedModel,
+    T5Config,
+    T5EncoderModel,
+    T5ForConditionalGeneration,
+    T5ForTokenClassification,
+    T5Model,
+)
+from transformers.exporters.utils import is_multimodal
+
+from fat5 import (
+    FAT5Config,
+    FAT5EncoderModel,
+    FAT5ForConditionalGeneration,
+    FAT5ForQuestionAnswering,
+    FAT5ForSequenceClassification,
+    FAT5ForTokenClassification,
+    FAT5Model,
+)
+
+VOCAB = 64
+SHAPES = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3, num_heads=4,
+              relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+              feed_forward_proj="gated-gelu", decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+              num_labels=3, tie_word_embeddings=False)
+# FAT5 class -> the transformers T5 class of the same architecture (T5's sequence-classification and QA heads run
+# the decoder too, FAT5's are encoder-only, so those compare against T5's encoder).
+T5_OF = {
+    FAT5Model: T5Model,
+    FAT5ForConditionalGeneration: T5ForConditionalGeneration,
+    FAT5EncoderModel: T5EncoderModel,
+    FAT5ForTokenClassification: T5ForTokenClassification,
+    FAT5ForSequenceClassification: T5EncoderModel,
+    FAT5ForQuestionAnswering: T5EncoderModel,
+}
+ENCODER_DECODER = (FAT5Model, FAT5ForConditionalGeneration, T5Model, T5ForConditionalGeneration)
+
+
+def build(model_class, **config_fields):
+    """A tiny model. Tests of returned attentions pass attn_implementation="eager": T5 returns attention weights
+    only from eager attention (with SDPA it silently returns none), FAT5 with its default backend runs eager for
+    the calls that ask for them."""
+    config_class = FAT5Config if model_class.__name__.startswith("FAT5") else T5Config
+    torch.manual_seed(0)
+    return model_class(config_class(**{**SHAPES, **config_fields})).eval()
+
+
+def inputs_for(model_class):
+    generator = torch.Generator().manual_seed(0)
+    inputs = {"input_ids": torch.randint(2, VOCAB, (2, 6), generator=generator),
+              "attention_mask": torch.tensor([[1] * 6, [1] * 4 + [0] * 2])}
+    if model_class in ENCODER_DECODER:
+        inputs["decoder_input_ids"] = torch.randint(2, VOCAB, (2, 4), generator=generator)
+    return inputs
+
+
+def field_lengths(output):
+    """{field: number of entries (tuples) or shape (tensors)} of the fields an output sets; an empty tuple counts
+    as unset (T5's encoder stack reports cross_attentions=() and has none)."""
+    lengths = {}
+    for name, value in output.items():
+        if isinstance(value, tuple) and not value:
+            continue
+        lengths[name] = len(value) if isinstance(value, tuple) else tuple(getattr(value, "shape", ()))
+    return lengths
+
+
+def run(model, **kwargs):
+    with torch.no_grad():
+        return model(**inputs_for(type(model)), **kwargs)
+
+
+EAGER = {"attn_implementation": "eager"}
+FLAG_CASES = [
+    pytest.param({"output_attentions": True, **EAGER}, {}, id="attentions-from-config"),
+    pytest.param({"output_hidden_states": True}, {}, id="hidden-states-from-config"),
+    pytest.param({"output_attentions": True, "output_hidden_states": True, **EAGER}, {"output_attentions": False},
+                 id="argument-over-config"),
+    pytest.param({**EAGER}, {"output_attentions": True}, id="argument-alone"),
+]
+
+
+@pytest.mark.parametrize("config_flags, arguments", FLAG_CASES)
+@pytest.mark.parametrize("model_class", list(T5_OF), ids=lambda cls: cls.__name__)
+def test_output_flags_fall_back_to_the_config_as_in_t5(model_class, config_flags, arguments):
+    fat5_fields = field_lengths(run(build(model_class, **config_flags), **arguments))
+    t5_fields = field_lengths(run(build(T5_OF[model_class], **config_flags), **arguments))
+    keys = {"hidden_states", "attentions", "encoder_hidden_states", "encoder_attentions", "decoder_hidden_states",
+            "decoder_attentions", "cross_attentions"}
+    t5_outputs = {name: value for name, value in t5_fields.items() if name in keys}
+    if T5_OF[model_class] is T5EncoderModel and model_class is not FAT5EncoderModel:
+        assert {name: value for name, value in fat5_fields.items() if name in keys} == t5_outputs
+    else:
+        assert fat5_fields == t5_fields
+
+
+@pytest.mark.parametrize("stack_name", ["encoder", "decoder"])
+@pytest.mark.parametrize("config_flags, arguments", FLAG_CASES)
+def test_stacks_called_alone_fall_back_to_the_config_as_in_t5(stack_name, config_flags, arguments):
+    ids = inputs_for(FAT5Model)["input_ids"]
+    outputs = {}
+    for model_class in (FAT5Model, T5Model):
+        stack = getattr(build(model_class, **config_flags), f"get_{stack_name}")()
+        with torch.no_grad():
+            outputs[model_class] = field_lengths(stack(input_ids=ids, **arguments))
+    # FAT5's decoder caches one layer list per attention kind, T5's cache reports its own length: compare presence.
+    fat5, t5 = ({name: value for name, value in fields.items() if name != "past_key_values"}
+                for fields in outputs.values())
+    assert fat5 == t5
+    assert ("past_key_values" in outputs[FAT5Model]) == ("past_key_values" in outputs[T5Model])
+
+
+@pytest.mark.parametrize("use_cache, argument, expected", [(True, None, True), (False, None, False),
+                                                           (False, True, True), (True, False, False)])
+def test_decoder_stack_alone_caches_as_t5(use_cache, argument, expected):
+    ids = inputs_for(FAT5Model)["input_ids"]
+    for model_class in (FAT5Model, T5Model):
+        decoder = build(model_class, use_cache=use_cache).get_decoder()
+        with torch.no_grad():
+            output = decoder(input_ids=ids, use_cache=argument)
+        assert (output.past_key_values is not None) == expected, model_class.__name__
+
+
+@pytest.mark.parametrize("model_class", list(T5_OF), ids=lambda cls: cls.__name__)
+def test_return_dict_falls_back_to_the_config(model_class):
+    """config.return_dict=False gives the tuple of the set fields. (transformers 5.23's T5Model,
+    T5ForConditionalGeneration and T5ForTokenClassification fail on that config, their stacks returning tuples
+    to their own forward, so T5 is no spec here; T5EncoderModel is.)"""
+    model = build(model_class, return_dict=False)
+    output = run(model)
+    as_dict = run(model, return_dict=True)
+    assert isinstance(output, tuple) and not isinstance(as_dict, tuple)
+    assert len(output) == len(as_dict.to_tuple())
+    for value, expected in zip(output, as_dict.to_tuple(), strict=True):
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, expected)
+    if model_class is FAT5EncoderModel:
+        assert len(output) == len(run(build(T5EncoderModel, return_dict=False)))
+
+
+@pytest.mark.parametrize("stack_name", ["encoder", "decoder"])
+def test_stacks_return_tuples_when_the_config_says_so(stack_name):
+    ids = inputs_for(FAT5Model)["input_ids"]
+    lengths = []
+    for model_class in (FAT5Model, T5Model):
+        stack = getattr(build(model_class, return_dict=False), f"get_{stack_name}")()
+        with torch.no_grad():
+            output = stack(input_ids=ids)
+        assert isinstance(output, tuple)
+        lengths.append(len(output))
+    assert lengths[0] == lengths[1]
+
+
+def test_encoder_stack_refuses_a_cache_as_t5():
+    ids = inputs_for(FAT5Model)["input_ids"]
+    for model_class in (FAT5Model, T5Model):
+        with pytest.raises(ValueError, match="use_cache"):
+            build(model_class).get_encoder()(input_ids=ids, use_cache=True)
+
+
+def describe(found, model):
+    """What get_encoder returned, in words that compare across FAT5 and T5 (T5's token-classification head keeps
+    its encoder under `transformer`)."""
+    if found is model:
+        return "the model itself"
+    return "encoder" if type(found).__name__ in ("FAT5Stack", "T5Stack") else type(found).__name__
+
+
+@pytest.mark.parametrize("model_class", list(T5_OF), ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("modality", [None, "image", "video", "audio", "text"])
+def test_get_encoder_takes_a_modality_as_t5(model_class, modality):
+    results = []
+    for cls in (model_class, T5_OF[model_class]):
+        model = build(cls)
+        try:
+            results.append(describe(model.get_encoder(modality=modality), model))
+        except ValueError:
+            results.append("ValueError")
+    assert results[0] == results[1]
+    assert results[0] == ("encoder" if modality is None else "ValueError" if modality == "text"
+                          else "the model itself")
+
+
+@pytest.mark.parametrize("model_class", [FAT5Model, FAT5ForConditionalGeneration])
+def test_export_helpers_see_one_text_model_as_for_t5(model_class):
+    model = build(model_class)
+    assert model.get_decoder() is model.decoder
+    assert not is_multimodal(model)
+    assert not is_multimodal(build(T5_OF[model_class]))
+
+
+def test_capabilities_are_declared():
+    """The flags transformers and its test suites read: FAT5 has SDPA/eager switching and full-graph compile,
+    and not transformers' flash-attention or flex integrations (it runs its own kernel)."""
+    assert FAT5ForConditionalGeneration._supports_sdpa
+    assert FAT5ForConditionalGeneration._can_compile_fullgraph
+    assert not FAT5ForConditionalGeneration._supports_flash_attn
+    assert not FAT5ForConditionalGeneration._supports_flex_attn
+    assert FAT5ForConditionalGeneration._can_set_attn_implementation()
+    assert FAT5ForConditionalGeneration._supports_default_dynamic_cache()
+
+
+@pytest.mark.parametrize("model_class", list(T5_OF), ids=lambda cls: cls.__name__)
+def test_attention_switches_as_transformers_checks_it(model_class):
+    """transformers' test_can_set_attention_dynamically, on every FAT5 model and submodel."""
+    model = build(model_class, attn_implementation="eager")
+    configs = [module.config for module in model.modules() if isinstance(module, PreTrainedModel)]
+    assert all(config._attn_implementation == "eager" for config in configs)
+    assert all(module._can_set_attn_implementation() and module._supports_sdpa
+               for module in model.modules() if isinstance(module, PreTrainedModel))
+    model.set_attn_implementation("sdpa")
+    assert all(config._attn_implementation == "sdpa" for config in configs)
+    with pytest.raises(ValueError, match='Specified `attn_implementation="foo"` is not supported'):
+        model.set_attn_implementation("foo")
+    assert all(config._attn_implementation == "sdpa" for config in configs)
+    model.set_attn_implementation("eager")
+    assert all(config._attn_implementation == "eager" for config in configs)
+
+
+def test_generate_compiles_the_decode_step_through_transformers():
+    """transformers' test_generate_compile_model_forward_fullgraph: generate() compiles the forward with a static
+    cache (forced on CPU) and gives the tokens of the uncompiled dynamic cache. The "eager" backend runs Dynamo
+    with fullgraph=True (any graph break is an error) without Inductor's slow C++ build."""
+    torch._dynamo.reset()
+    model = build(FAT5ForConditionalGeneration)
+    inputs = inputs_for(FAT5ForConditionalGeneration)
+    inputs.pop("decoder_input_ids")
+    arguments = dict(max_new_tokens=4, do_sample=False, min_new_tokens=4)
+    dynamic = model.generate(**inputs, **arguments)
+    compile_config = CompileConfig(fullgraph=True, dynamic=False, backend="eager")
+    compile_config._compile_all_devices = True
+    compiled = model.generate(**inputs, **arguments, cache_implementation="static", compile_config=compile_config)
+    assert getattr(model, "_compiled_call", None) is not None  # transformers did compile
+    assert torch.equal(compiled, dynamic)
+
+
+def test_dynamically_quantized_model_generates():
+    model = build(FAT5ForConditionalGeneration)
+    inputs = inputs_for(FAT5ForConditionalGeneration)
+    decoder_input_ids = inputs.pop("decoder_input_ids")
+    quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {nn.Linear}, dtype=torch.qint8)
+    with torch.no_grad():
+        reference = model(**inputs, decoder_input_ids=decoder_input_ids).logits
+        logits = quantized(**inputs, decoder_input_ids=decoder_input_ids).logits
+    # int8 weights: close to the float model, not equal.
+    assert (logits - reference).norm() < 0.1 * reference.norm()
+    tokens = quantized.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    assert tokens.shape == (2, 4)
+    beams = quantized.generate(**inputs, max_new_tokens=3, min_new_tokens=3, num_beams=2, do_sample=False)
+    assert beams.shape == (2, 4)
+
+
+@pytest.mark.parametrize("model_class", [FAT5Model, FAT5ForConditionalGeneration, FAT5EncoderModel])
+def test_stacks_are_models_owning_the_shared_embedding(model_class):
+    model = build(model_class)
+    for name in ("encoder", "decoder"):
+        stack = getattr(model, name, None)
+        if stack is None:
+            continue
+        assert isinstance(stack, PreTrainedModel)
+        assert stack.get_input_embeddings() is model.shared
+        assert dict(stack.named_children())["embed_tokens"] is model.shared
+        assert stack.dtype == torch.float32 and stack.device.type == "cpu"
+        moved = copy.deepcopy(stack).to(torch.float64)
+        assert moved.get_input_embeddings().weight.dtype == torch.float64
+    # One tensor under one name: the model's state dict (what is saved) has no embed_tokens copies.
+    assert [name for name in model.state_dict() if "embed_tokens" in name or name == "shared.weight"] == \
+        ["shared.weight"]
+    new_embedding = nn.Embedding(VOCAB + 8, SHAPES["d_model"])
+    model.set_input_embeddings(new_embedding)
+    assert model.encoder.get_input_embeddings() is new_embedding
+
+
+def test_saved_files_keep_t5_names_and_loading_ties_again(tmp_path):
+    from safetensors import safe_open
+
+    for tied in (False, True):
+        model = build(FAT5ForConditionalGeneration, tie_word_embeddings=tied)
+        folder = tmp_path / f"tied-{tied}"
+        model.save_pretrained(folder)
+        with safe_open(folder / "model.safetensors", "pt") as saved:
+            names = set(saved.keys())
+        assert "shared.weight" in names and not [name for name in names if "embed_tokens" in name]
+        assert ("lm_head.weight" in names) != tied
+        loaded = FAT5ForConditionalGeneration.from_pretrained(folder).eval()
+        assert loaded.encoder.embed_tokens is loaded.shared and loaded.decoder.embed_tokens is loaded.shared
+        assert (loaded.lm_head.weight is loaded.shared.weight) == tied
+        assert torch.equal(run(loaded).logits, run(model).logits)
+
+
+def test_state_dict_round_trip_through_plain_torch():
+    model = build(FAT5ForConditionalGeneration)
+    other = build(FAT5ForConditionalGeneration, num_decoder_layers=3)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.add_(1.0)
+    other.load_state_dict(model.state_dict())  # strict: the stacks' embedding names are filled from shared.weight
+    assert other.encoder.embed_tokens is other.shared
+    assert torch.equal(other.shared.weight, model.shared.weight)
+
+
+def encoder_and_inputs():
+    model = build(FAT5EncoderModel, attention_backend="sdpa")
+    inputs = inputs_for(FAT5EncoderModel)
+    with torch.no_grad():
+        expected = model.get_encoder()(**inputs).last_hidden_state
+    return model.get_encoder(), inputs, expected
+
+
+def test_encoder_exports_with_strict_torch_export():
+    encoder, inputs, expected = encoder_and_inputs()
+    program = torch.export.export(encoder, (), kwargs=inputs, strict=True)
+    output = program.module()(**inputs)
+    assert torch.allclose(output.last_hidden_state, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+
+
+def test_encoder_traces_with_torch_jit():
+    encoder, inputs, expected = encoder_and_inputs()
+    traced = torch.jit.trace(encoder, example_kwarg_inputs=inputs, strict=False)
+    output = traced(**inputs)
+    assert torch.allclose(output["last_hidden_state"], expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+
+
+def test_encoder_exports_to_onnx_with_the_torchscript_exporter(tmp_path):
+    pytest.importorskip("onnx")  # torch.onnx.export writes through it
+    onnxruntime = pytest.importorskip("onnxruntime")
+    encoder, inputs, expected = encoder_and_inputs()
+    path = tmp_path / "encoder.onnx"
+    axes = {0: "batch", 1: "length"}
+    torch.onnx.export(encoder, (inputs["input_ids"], inputs["attention_mask"]), path, dynamo=False,
+                      input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state"],
+                      dynamic_axes={"input_ids": axes, "attention_mask": axes})
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (output,) = session.run(None, {name: tensor.numpy() for name, tensor in inputs.items()})
+    assert torch.allclose(torch.from_numpy(output), expected, rtol=0, atol=1e-4 * expected.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def seq2seq_folder(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from convert.demo import DEMO_CHECKPOINT
+
+    folder = tmp_path_factory.mktemp("seq2seq")
+    build(FAT5ForConditionalGeneration, vocab_size=AutoTokenizer.from_pretrained(DEMO_CHECKPOINT).vocab_size + 28
+          ).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(DEMO_CHECKPOINT).save_pretrained(folder)
+    return folder
+
+
+def test_auto_model_for_text_encoding_loads_the_encoder_of_a_seq2seq_folder(seq2seq_folder):
+    encoder = AutoModelForTextEncoding.from_pretrained(seq2seq_folder, trust_remote_code=True)
+    full = FAT5ForConditionalGeneration.from_pretrained(seq2seq_folder)
+    assert type(encoder).__name__ == "FAT5EncoderModel"
+    full_encoder = full.encoder.state_dict()
+    for name, tensor in encoder.encoder.state_dict().items():
+        assert torch.equal(tensor, full_encoder[name]), name
+
+
+EMBED_IN_A_HUB_USER_PROCESS = """
+import json, sys
+import torch
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.modules import Transformer
+from sentence_transformers.sentence_transformer.modules import Pooling
+from transformers import AutoModel
+
+folder, sentences, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+base_model = AutoModel.from_pretrained(folder, trust_remote_code=True)
+transformer = Transformer(folder, model_kwargs={"trust_remote_code": True}, config_kwargs={"trust_remote_code": True})
+model = SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension(), "mean")],
+                            device="cpu")
+embeddings = model.encode(sentences, convert_to_tensor=True)
+json.dump({"auto_model": type(base_model).__name__, "encoder": type(transformer.auto_model).__name__,
+           "embeddings": embeddings.tolist()}, open(out, "w"))
+"""
+
+
+def test_sentence_transformers_embeds_with_a_saved_encoder(seq2seq_folder, tmp_path):
+    """A folder saved by FAT5EncoderModel maps AutoModel (what sentence-transformers loads) to the encoder; in a
+    process with only the folder's code, as a Hub user has it."""
+    pytest.importorskip("sentence_transformers")
+    from isolated import run_isolated
+    from transformers import AutoTokenizer
+
+    encoder = FAT5EncoderModel.from_pretrained(seq2seq_folder).eval()
+    folder = tmp_path / "encoder"
+    encoder.save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(seq2seq_folder)
+    tokenizer.save_pretrained(folder)
+    sentences = ["the cat sat", "a longer sentence about a dog"]
+    result = run_isolated(EMBED_IN_A_HUB_USER_PROCESS, [folder, json.dumps(sentences)], tmp_path)
+    assert result["auto_model"] == result["encoder"] == "FAT5EncoderModel"
+    batch = tokenizer(sentences, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = encoder(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    expected = (hidden * mask).sum(1) / mask.sum(1)
+    embeddings = torch.tensor(result["embeddings"])
+    assert torch.allclose(embeddings, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+
+
+def targeted_modules(model, peft_config):
+    from peft import get_peft_model
+
+    return set(get_peft_model(model, peft_config).base_model.targeted_module_names)
+
+
+@pytest.mark.parametrize("method", ["lora", "ia3", "adalora"])
+def test_peft_methods_work_without_target_modules_as_for_t5(method):
+    peft = pytest.importorskip("peft")
+    configs = {
+        "lora": lambda: peft.LoraConfig(task_type="SEQ_2_SEQ_LM"),
+        "ia3": lambda: peft.IA3Config(task_type="SEQ_2_SEQ_LM"),
+        "adalora": lambda: peft.AdaLoraConfig(task_type="SEQ_2_SEQ_LM", total_step=10),
+    }
+    fat5 = targeted_modules(build(FAT5ForConditionalGeneration), configs[method]())
+    t5 = targeted_modules(build(T5ForConditionalGeneration), configs[method]())
+    assert fat5 and fat5 == t5
+
+
+def generate_structure(model, **arguments):
+    """Shapes of what generate returns with every output flag on: {field: per-step / per-layer shapes}."""
+    inputs = inputs_for(FAT5ForConditionalGeneration)
+    inputs.pop("decoder_input_ids")
+    output = model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, return_dict_in_generate=True,
+                            output_scores=True, output_logits=True, output_attentions=True,
+                            output_hidden_states=True, **arguments)
+
+    def shapes(value):
+        if isinstance(value, torch.Tensor):
+            return tuple(value.shape)
+        if isinstance(value, tuple):
+            return [shapes(item) for item in value]
+        return type(value).__name__
+
+    return {name: shapes(value) for name, value in output.items() if name != "past_key_values"}
+
+
+@pytest.mark.parametrize("arguments", [{"do_sample": False}, {"do_sample": True, "num_return_sequences": 2},
+                                       {"num_beams": 2, "do_sample": False}],
+                         ids=["greedy", "sample", "beam"])
+def test_generate_returns_what_t5_returns(arguments):
+    """GenerationTesterMixin's output checks: scores, logits, attentions and hidden states of every step, with the
+    same shapes as T5's. (Equal depths: transformers 5.23's T5 fails here when its decoder is deeper than
+    its encoder; FAT5 does not, see test_generation_cache.py.)"""
+    structures = [generate_structure(build(model_class, num_decoder_layers=2, **EAGER), **arguments)
+                  for model_class in (FAT5ForConditionalGeneration, T5ForConditionalGeneration)]
+    assert structures[0] == structures[1]
+
+
+def test_generate_from_inputs_embeds_and_with_an_assistant_gives_the_greedy_tokens():
+    model = build(FAT5ForConditionalGeneration)
+    inputs = inputs_for(FAT5ForConditionalGeneration)
+    inputs.pop("decoder_input_ids")
+    arguments = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False}
+    greedy = model.generate(**inputs, **arguments)
+    embeds = model.get_input_embeddings()(inputs["input_ids"])
+    from_embeds = model.generate(inputs_embeds=embeds, attention_mask=inputs["attention_mask"], **arguments)
+    assert torch.equal(from_embeds, greedy)
+    first = {name: tensor[:1] for name, tensor in inputs.items()}
+    assisted = model.generate(**first, assistant_model=build(FAT5ForConditionalGeneration), **arguments)
+    assert torch.equal(assisted, greedy[:1])

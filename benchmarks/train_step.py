@@ -52,7 +52,7 @@ def train_rows(name, model, args):
         labels = torch.randint(2, args.shape["vocab_size"], (batch, args.decoder_length),
                                generator=generator).to(device)
 
-        def step():
+        def step(input_ids=input_ids, labels=labels):
             with autocast(args):
                 loss = step_model(input_ids=input_ids, labels=labels).loss
             loss.backward()
@@ -68,7 +68,7 @@ def train_rows(name, model, args):
             row["status"] = common.error_status(error)
             failed_at = f"{row['status'].split(':')[0]} at L={length}"
         optimizer.zero_grad(set_to_none=True)
-        del input_ids, labels
+        del input_ids, labels, step
         common.release_memory()
         speed = f"{row['tokens_per_s']:.0f} tok/s {row['ms']:.1f} ms peak {row['peak_mib']} MiB" \
             if row["status"] == "ok" else ""

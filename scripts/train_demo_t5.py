@@ -30,8 +30,14 @@ from pathlib import Path
 
 import sentencepiece as spm
 import torch
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig, T5Config, T5ForConditionalGeneration
-from transformers import T5TokenizerFast
+from transformers import (
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    GenerationConfig,
+    T5Config,
+    T5ForConditionalGeneration,
+    T5TokenizerFast,
+)
 
 from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
 

@@ -7,8 +7,14 @@ import pytest
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
-from convert.checkpoint import (DERIVED_FIELDS, FAT5_SETTINGS, ConversionError, plan_conversion, t5_computes,
-                                t5_config_from_fat5)
+from convert.checkpoint import (
+    DERIVED_FIELDS,
+    FAT5_SETTINGS,
+    ConversionError,
+    plan_conversion,
+    t5_computes,
+    t5_config_from_fat5,
+)
 from convert.fat5_to_t5 import main as back
 from convert.flan_to_fat5 import main
 from fat5 import FAT5Config, FAT5ForConditionalGeneration

@@ -172,8 +172,8 @@ def test_padding_does_not_change_real_tokens():
     ids = torch.randint(2, 101, (1, 9))
     alone = model.encoder(input_ids=ids).last_hidden_state
     for left in (True, False):
-        padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), ids] if left else [ids, torch.zeros(1, 4,
-                                                                                                   dtype=torch.long)], 1)
+        pad = torch.zeros(1, 4, dtype=torch.long)
+        padded = torch.cat([pad, ids] if left else [ids, pad], 1)
         mask = (torch.arange(13) >= 4) if left else (torch.arange(13) < 9)
         states = model.encoder(input_ids=padded, attention_mask=mask[None].long()).last_hidden_state
         real = states[:, 4:] if left else states[:, :9]
@@ -237,7 +237,8 @@ def test_triton_backend_matches_eager_inside_the_model(position, kernel_device):
         output = model(**batch)
         output.loss.backward()
         results[backend] = (output.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
-    assert (results["eager"][0] - results["triton"][0])[real].abs().max() <= 1e-5 * results["eager"][0][real].abs().max()
+    eager_logits, triton_logits = results["eager"][0][real], results["triton"][0][real]
+    assert (eager_logits - triton_logits).abs().max() <= 1e-5 * eager_logits.abs().max()
     for name, grad in results["eager"][1].items():
         assert (results["triton"][1][name] - grad).abs().max() <= 1e-4 * grad.abs().max(), name
     inputs = dict(input_ids=batch["input_ids"][:2], attention_mask=batch["attention_mask"][:2], max_new_tokens=6,

@@ -392,8 +392,9 @@ def test_sentence_transformers_embeds_with_a_saved_encoder(seq2seq_folder, tmp_p
     """A folder saved by FAT5EncoderModel maps AutoModel (what sentence-transformers loads) to the encoder; in a
     process with only the folder's code, as a Hub user has it."""
     pytest.importorskip("sentence_transformers")
-    from isolated import run_isolated
     from transformers import AutoTokenizer
+
+    from isolated import run_isolated
 
     encoder = FAT5EncoderModel.from_pretrained(seq2seq_folder).eval()
     folder = tmp_path / "encoder"

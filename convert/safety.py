@@ -9,22 +9,16 @@ OUT during the run is replaced. Staging folders are named after OUT and the owni
 those left by killed runs on the same OUT, and only those.
 """
 
-import ctypes
-import ctypes.util
 import errno
 import os
 import shutil
-import signal
 import tempfile
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 from convert.cli import CommandError
+from fat5.remote_code_fat5 import RENAME_EXCHANGE, RENAME_NOREPLACE, current_umask, renameat2, signals_deferred
 
 STAGING_MARK = ".fat5-staging-"
-RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2  # linux/fs.h
-AT_FDCWD = -100
 
 
 class OutputError(CommandError):
@@ -65,46 +59,26 @@ def remove_stale_staging(out):
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def make_staging(out):
     """An empty staging folder beside `out`, with the permissions a new folder gets under the umask."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(out)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{STAGING_MARK}{os.getpid()}-", dir=out.parent))
-    staging.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700
+    staging.chmod(0o777 & ~current_umask())  # mkdtemp makes it 0700
     return staging
-
-
-def _renameat2(first, second, flag):
-    """Linux renameat2(first, second, flag); False where the system lacks it or the flag (kernel, filesystem)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    if not hasattr(libc, "renameat2"):
-        return False
-    result = libc.renameat2(AT_FDCWD, os.fsencode(first), AT_FDCWD, os.fsencode(second), flag)
-    if result == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False
-    raise OSError(code, os.strerror(code), str(second))
 
 
 def _exchange(first, second):
     """Atomically swap two paths. False where the system cannot."""
-    return _renameat2(first, second, RENAME_EXCHANGE)
+    return renameat2(first, second, RENAME_EXCHANGE)
 
 
 def _rename_no_replace(first, second):
     """Rename `first` to `second`, atomically failing with FileExistsError if `second` exists. Without
     renameat2, `second` is claimed with mkdir first, then replaced by the rename (which replaces only an empty
     folder, so anything put into the claimed one meanwhile makes it fail)."""
-    if _renameat2(first, second, RENAME_NOREPLACE):
+    if renameat2(first, second, RENAME_NOREPLACE):
         return
     os.mkdir(second)
     os.rename(first, second)
@@ -142,25 +116,6 @@ def put_in_place(staging, out, replace):
         os.rename(old, out)
         raise
     return old
-
-
-@contextmanager
-def signals_deferred():
-    """Hold Ctrl-C (SIGINT) and SIGTERM during a few steps that must complete together; a signal that arrives
-    meanwhile is re-raised right after. (Python handlers run in the main thread, where the converters run.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received = []
-    previous = {number: signal.signal(number, lambda number, frame: received.append(number))
-                for number in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-        for number in received[:1]:
-            signal.raise_signal(number)
 
 
 class AtomicOutput:

@@ -14,6 +14,7 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
+from . import modeling_fat5
 from .configuration_fat5 import FAT5Config
 from .modeling_fat5 import (
     FAT5EncoderModel,
@@ -42,13 +43,7 @@ for auto_class, model_class in AUTO_CLASSES.items():
 
 __all__ = [
     "FAT5Config",
-    "FAT5PreTrainedModel",
-    "FAT5Model",
-    "FAT5EncoderModel",
-    "FAT5ForConditionalGeneration",
-    "FAT5ForSequenceClassification",
-    "FAT5ForTokenClassification",
-    "FAT5ForQuestionAnswering",
+    *modeling_fat5.__all__,
     "AUTO_CLASSES",
     "FAT5Text2TextGenerationPipeline",
     "text2text_pipeline",

@@ -111,7 +111,7 @@ def mark_as_package(config, encoder_only=False):
 # -- atomic saves ----------------------------------------------------------------------------------------------------
 
 STAGING_MARK = ".partial-"
-RENAME_EXCHANGE = 2  # linux/fs.h
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2  # linux/fs.h
 AT_FDCWD = -100
 
 
@@ -167,18 +167,23 @@ def remove_stale_staging(target):
                 os.close(descriptor)
 
 
-def exchange(first, second):
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE). False where the system lacks it."""
+def renameat2(first, second, flag):
+    """Linux renameat2(first, second, flag); False where the system lacks it or the flag (kernel, filesystem)."""
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     if not hasattr(libc, "renameat2"):
         return False
-    result = libc.renameat2(AT_FDCWD, os.fsencode(first), AT_FDCWD, os.fsencode(second), RENAME_EXCHANGE)
+    result = libc.renameat2(AT_FDCWD, os.fsencode(first), AT_FDCWD, os.fsencode(second), flag)
     if result == 0:
         return True
     code = ctypes.get_errno()
     if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False  # kernel or filesystem without RENAME_EXCHANGE
-    raise OSError(code, os.strerror(code), str(first))
+        return False
+    raise OSError(code, os.strerror(code), str(second))
+
+
+def exchange(first, second):
+    """Atomically swap two paths (RENAME_EXCHANGE). False where the system cannot."""
+    return renameat2(first, second, RENAME_EXCHANGE)
 
 
 @contextmanager

@@ -8,15 +8,9 @@ CPU machine would take minutes per class; the CUDA kernels are custom ops, opaqu
 import pytest
 import torch
 
+import fat5
 from conftest import tiny_config
-from fat5.modeling_fat5 import (
-    FAT5EncoderModel,
-    FAT5ForConditionalGeneration,
-    FAT5ForQuestionAnswering,
-    FAT5ForSequenceClassification,
-    FAT5ForTokenClassification,
-    FAT5Model,
-)
+from fat5.modeling_fat5 import FAT5ForConditionalGeneration
 
 # The tied head (T5 v1.0) is the one whose weight sharing the graph must keep.
 CONFIG = dict(vocab_size=64, d_model=16, d_kv=4, d_ff=24, num_layers=1, num_decoder_layers=1,
@@ -36,25 +30,25 @@ def batch():
 def inputs_and_loss(model_class):
     input_ids, attention_mask, labels = batch()
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask)
-    if model_class is FAT5Model:
+    if model_class is fat5.FAT5Model:
         inputs["decoder_input_ids"] = labels.clamp(min=0)
         return inputs, lambda output: output.last_hidden_state.pow(2).mean()
-    if model_class is FAT5EncoderModel:
+    if model_class is fat5.FAT5EncoderModel:
         return inputs, lambda output: output.last_hidden_state.pow(2).mean()
     if model_class is FAT5ForConditionalGeneration:
         inputs["labels"] = labels
-    elif model_class is FAT5ForSequenceClassification:
+    elif model_class is fat5.FAT5ForSequenceClassification:
         inputs["labels"] = torch.tensor([0, 2])
-    elif model_class is FAT5ForTokenClassification:
+    elif model_class is fat5.FAT5ForTokenClassification:
         inputs["labels"] = torch.randint(0, 3, input_ids.shape).masked_fill(attention_mask == 0, -100)
-    elif model_class is FAT5ForQuestionAnswering:
+    elif model_class is fat5.FAT5ForQuestionAnswering:
         inputs.update(start_positions=torch.tensor([1, 2]), end_positions=torch.tensor([3, 4]))
     return inputs, lambda output: output.loss
 
 
-@pytest.mark.parametrize("model_class", [FAT5Model, FAT5EncoderModel, FAT5ForConditionalGeneration,
-                                         FAT5ForSequenceClassification, FAT5ForTokenClassification,
-                                         FAT5ForQuestionAnswering])
+@pytest.mark.parametrize("model_class", [fat5.FAT5Model, fat5.FAT5EncoderModel, FAT5ForConditionalGeneration,
+                                         fat5.FAT5ForSequenceClassification, fat5.FAT5ForTokenClassification,
+                                         fat5.FAT5ForQuestionAnswering])
 def test_fullgraph_compile_forward_and_backward(model_class):
     torch.manual_seed(0)
     model = model_class(tiny_config(**CONFIG)).train()

@@ -256,7 +256,7 @@ def test_out_that_appears_before_the_swap_is_left_as_it_is(flan, tmp_path, capsy
         return real_put_in_place(staging, target, replace)
 
     with mock.patch.object(convert.safety, "put_in_place", race), \
-            mock.patch.object(convert.safety, "_renameat2", convert.safety._renameat2 if renameat2 else
+            mock.patch.object(convert.safety, "renameat2", convert.safety.renameat2 if renameat2 else
                               (lambda first, second, flag: False)):
         assert run_main(capsys, [str(flan), str(out), "--no-verify"]) == 2
     assert "appeared or was filled while converting: left as it is" in one_error_line(capsys)

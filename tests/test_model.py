@@ -9,14 +9,7 @@ import fat5  # noqa: F401  registers the Auto classes
 from conftest import tiny_config
 from fat5.configuration_fat5 import FAT5Config
 from fat5.loss_fat5 import seq2seq_lm_loss
-from fat5.modeling_fat5 import (
-    FAT5EncoderModel,
-    FAT5ForConditionalGeneration,
-    FAT5ForQuestionAnswering,
-    FAT5ForSequenceClassification,
-    FAT5ForTokenClassification,
-    FAT5Model,
-)
+from fat5.modeling_fat5 import FAT5ForConditionalGeneration
 from t5_checkpoints import padded_batch
 
 POSITION_TYPES = ["t5", "rope", "alibi", "fire", "none"]
@@ -145,22 +138,22 @@ def test_auto_classes_and_encoder_heads_load_a_seq2seq_checkpoint(tmp_path):
     encoder_states = model.encoder(**encoder_inputs).last_hidden_state
 
     base = AutoModel.from_pretrained(tmp_path).eval()
-    assert type(base) is FAT5Model
-    encoder = FAT5EncoderModel.from_pretrained(tmp_path).eval()
+    assert type(base) is fat5.FAT5Model
+    encoder = fat5.FAT5EncoderModel.from_pretrained(tmp_path).eval()
     assert torch.equal(encoder(**encoder_inputs).last_hidden_state, encoder_states)
 
     token = AutoModelForTokenClassification.from_pretrained(tmp_path)
-    assert type(token) is FAT5ForTokenClassification
+    assert type(token) is fat5.FAT5ForTokenClassification
     labels = torch.randint(0, 3, batch["input_ids"].shape).masked_fill(batch["attention_mask"] == 0, -100)
     output = token(**encoder_inputs, labels=labels)
     assert output.logits.shape == (3, 29, 3) and torch.isfinite(output.loss)
     output.loss.backward()
 
-    sequence = FAT5ForSequenceClassification.from_pretrained(tmp_path)
+    sequence = fat5.FAT5ForSequenceClassification.from_pretrained(tmp_path)
     output = sequence(**encoder_inputs, labels=torch.tensor([0, 2, 1]))
     assert output.logits.shape == (3, 3) and torch.isfinite(output.loss)
 
-    qa = FAT5ForQuestionAnswering.from_pretrained(tmp_path)
+    qa = fat5.FAT5ForQuestionAnswering.from_pretrained(tmp_path)
     output = qa(**encoder_inputs, start_positions=torch.tensor([1, 2, 40]), end_positions=torch.tensor([3, 4, 5]))
     assert output.start_logits.shape == (3, 29) and torch.isfinite(output.loss)
     assert torch.equal(qa.shared.weight, model.shared.weight)

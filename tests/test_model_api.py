@@ -5,18 +5,11 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
+import fat5
 from conftest import tiny_config
 from convert.checkpoint import convert_checkpoint
 from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
-from fat5 import (
-    FAT5EncoderModel,
-    FAT5ForConditionalGeneration,
-    FAT5ForQuestionAnswering,
-    FAT5ForSequenceClassification,
-    FAT5ForTokenClassification,
-    FAT5Model,
-    text2text_pipeline,
-)
+from fat5 import FAT5ForConditionalGeneration, text2text_pipeline
 from t5_checkpoints import padded_batch
 
 VOCAB = 101
@@ -100,13 +93,13 @@ def test_output_attentions_with_a_backend_that_cannot_give_them_says_so():
         model(**seq2seq_batch(), output_attentions=True)
 
 
-@pytest.mark.parametrize("model_class", [FAT5ForConditionalGeneration, FAT5Model, FAT5EncoderModel,
-                                         FAT5ForSequenceClassification, FAT5ForTokenClassification,
-                                         FAT5ForQuestionAnswering])
+@pytest.mark.parametrize("model_class", [FAT5ForConditionalGeneration, fat5.FAT5Model, fat5.FAT5EncoderModel,
+                                         fat5.FAT5ForSequenceClassification, fat5.FAT5ForTokenClassification,
+                                         fat5.FAT5ForQuestionAnswering])
 def test_return_dict_false_returns_the_tuple_of_set_fields(model_class):
     model = tiny(model_class)
     batch = seq2seq_batch()
-    if not model.config.is_encoder_decoder or model_class not in (FAT5ForConditionalGeneration, FAT5Model):
+    if not model.config.is_encoder_decoder or model_class not in (FAT5ForConditionalGeneration, fat5.FAT5Model):
         batch = {key: batch[key] for key in ("input_ids", "attention_mask")}
     with torch.no_grad():
         as_dict = model(**batch)
@@ -136,7 +129,7 @@ def test_set_attn_implementation_maps_onto_fat5_backends():
 
 def test_missing_decoder_inputs_say_what_to_pass():
     batch = padded_batch(VOCAB)
-    for model in (tiny(FAT5Model), tiny()):
+    for model in (tiny(fat5.FAT5Model), tiny()):
         with pytest.raises(ValueError, match="decoder_input_ids or decoder_inputs_embeds"):
             model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
 

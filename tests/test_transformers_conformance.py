@@ -20,15 +20,8 @@ from transformers import (
 )
 from transformers.exporters.utils import is_multimodal
 
-from fat5 import (
-    FAT5Config,
-    FAT5EncoderModel,
-    FAT5ForConditionalGeneration,
-    FAT5ForQuestionAnswering,
-    FAT5ForSequenceClassification,
-    FAT5ForTokenClassification,
-    FAT5Model,
-)
+import fat5
+from fat5 import FAT5Config, FAT5ForConditionalGeneration
 
 VOCAB = 64
 SHAPES = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3, num_heads=4,
@@ -38,14 +31,14 @@ SHAPES = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_d
 # FAT5 class -> the transformers T5 class of the same architecture (T5's sequence-classification and QA heads run
 # the decoder too, FAT5's are encoder-only, so those compare against T5's encoder).
 T5_OF = {
-    FAT5Model: T5Model,
+    fat5.FAT5Model: T5Model,
     FAT5ForConditionalGeneration: T5ForConditionalGeneration,
-    FAT5EncoderModel: T5EncoderModel,
-    FAT5ForTokenClassification: T5ForTokenClassification,
-    FAT5ForSequenceClassification: T5EncoderModel,
-    FAT5ForQuestionAnswering: T5EncoderModel,
+    fat5.FAT5EncoderModel: T5EncoderModel,
+    fat5.FAT5ForTokenClassification: T5ForTokenClassification,
+    fat5.FAT5ForSequenceClassification: T5EncoderModel,
+    fat5.FAT5ForQuestionAnswering: T5EncoderModel,
 }
-ENCODER_DECODER = (FAT5Model, FAT5ForConditionalGeneration, T5Model, T5ForConditionalGeneration)
+ENCODER_DECODER = (fat5.FAT5Model, FAT5ForConditionalGeneration, T5Model, T5ForConditionalGeneration)
 
 
 def build(model_class, **config_fields):
@@ -100,7 +93,7 @@ def test_output_flags_fall_back_to_the_config_as_in_t5(model_class, config_flags
     keys = {"hidden_states", "attentions", "encoder_hidden_states", "encoder_attentions", "decoder_hidden_states",
             "decoder_attentions", "cross_attentions"}
     t5_outputs = {name: value for name, value in t5_fields.items() if name in keys}
-    if T5_OF[model_class] is T5EncoderModel and model_class is not FAT5EncoderModel:
+    if T5_OF[model_class] is T5EncoderModel and model_class is not fat5.FAT5EncoderModel:
         assert {name: value for name, value in fat5_fields.items() if name in keys} == t5_outputs
     else:
         assert fat5_fields == t5_fields
@@ -109,24 +102,24 @@ def test_output_flags_fall_back_to_the_config_as_in_t5(model_class, config_flags
 @pytest.mark.parametrize("stack_name", ["encoder", "decoder"])
 @pytest.mark.parametrize("config_flags, arguments", FLAG_CASES)
 def test_stacks_called_alone_fall_back_to_the_config_as_in_t5(stack_name, config_flags, arguments):
-    ids = inputs_for(FAT5Model)["input_ids"]
+    ids = inputs_for(fat5.FAT5Model)["input_ids"]
     outputs = {}
-    for model_class in (FAT5Model, T5Model):
+    for model_class in (fat5.FAT5Model, T5Model):
         stack = getattr(build(model_class, **config_flags), f"get_{stack_name}")()
         with torch.no_grad():
             outputs[model_class] = field_lengths(stack(input_ids=ids, **arguments))
     # FAT5's decoder caches one layer list per attention kind, T5's cache reports its own length: compare presence.
-    fat5, t5 = ({name: value for name, value in fields.items() if name != "past_key_values"}
+    ours, t5 = ({name: value for name, value in fields.items() if name != "past_key_values"}
                 for fields in outputs.values())
-    assert fat5 == t5
-    assert ("past_key_values" in outputs[FAT5Model]) == ("past_key_values" in outputs[T5Model])
+    assert ours == t5
+    assert ("past_key_values" in outputs[fat5.FAT5Model]) == ("past_key_values" in outputs[T5Model])
 
 
 @pytest.mark.parametrize("use_cache, argument, expected", [(True, None, True), (False, None, False),
                                                            (False, True, True), (True, False, False)])
 def test_decoder_stack_alone_caches_as_t5(use_cache, argument, expected):
-    ids = inputs_for(FAT5Model)["input_ids"]
-    for model_class in (FAT5Model, T5Model):
+    ids = inputs_for(fat5.FAT5Model)["input_ids"]
+    for model_class in (fat5.FAT5Model, T5Model):
         decoder = build(model_class, use_cache=use_cache).get_decoder()
         with torch.no_grad():
             output = decoder(input_ids=ids, use_cache=argument)
@@ -146,15 +139,15 @@ def test_return_dict_falls_back_to_the_config(model_class):
     for value, expected in zip(output, as_dict.to_tuple(), strict=True):
         if isinstance(value, torch.Tensor):
             assert torch.equal(value, expected)
-    if model_class is FAT5EncoderModel:
+    if model_class is fat5.FAT5EncoderModel:
         assert len(output) == len(run(build(T5EncoderModel, return_dict=False)))
 
 
 @pytest.mark.parametrize("stack_name", ["encoder", "decoder"])
 def test_stacks_return_tuples_when_the_config_says_so(stack_name):
-    ids = inputs_for(FAT5Model)["input_ids"]
+    ids = inputs_for(fat5.FAT5Model)["input_ids"]
     lengths = []
-    for model_class in (FAT5Model, T5Model):
+    for model_class in (fat5.FAT5Model, T5Model):
         stack = getattr(build(model_class, return_dict=False), f"get_{stack_name}")()
         with torch.no_grad():
             output = stack(input_ids=ids)
@@ -164,8 +157,8 @@ def test_stacks_return_tuples_when_the_config_says_so(stack_name):
 
 
 def test_encoder_stack_refuses_a_cache_as_t5():
-    ids = inputs_for(FAT5Model)["input_ids"]
-    for model_class in (FAT5Model, T5Model):
+    ids = inputs_for(fat5.FAT5Model)["input_ids"]
+    for model_class in (fat5.FAT5Model, T5Model):
         with pytest.raises(ValueError, match="use_cache"):
             build(model_class).get_encoder()(input_ids=ids, use_cache=True)
 
@@ -193,7 +186,7 @@ def test_get_encoder_takes_a_modality_as_t5(model_class, modality):
                           else "the model itself")
 
 
-@pytest.mark.parametrize("model_class", [FAT5Model, FAT5ForConditionalGeneration])
+@pytest.mark.parametrize("model_class", [fat5.FAT5Model, FAT5ForConditionalGeneration])
 def test_export_helpers_see_one_text_model_as_for_t5(model_class):
     model = build(model_class)
     assert model.get_decoder() is model.decoder
@@ -262,7 +255,7 @@ def test_dynamically_quantized_model_generates():
     assert beams.shape == (2, 4)
 
 
-@pytest.mark.parametrize("model_class", [FAT5Model, FAT5ForConditionalGeneration, FAT5EncoderModel])
+@pytest.mark.parametrize("model_class", [fat5.FAT5Model, FAT5ForConditionalGeneration, fat5.FAT5EncoderModel])
 def test_stacks_are_models_owning_the_shared_embedding(model_class):
     model = build(model_class)
     for name in ("encoder", "decoder"):
@@ -312,8 +305,8 @@ def test_state_dict_round_trip_through_plain_torch():
 
 
 def encoder_and_inputs():
-    model = build(FAT5EncoderModel, attention_backend="sdpa")
-    inputs = inputs_for(FAT5EncoderModel)
+    model = build(fat5.FAT5EncoderModel, attention_backend="sdpa")
+    inputs = inputs_for(fat5.FAT5EncoderModel)
     with torch.no_grad():
         expected = model.get_encoder()(**inputs).last_hidden_state
     return model.get_encoder(), inputs, expected
@@ -363,7 +356,7 @@ def seq2seq_folder(tmp_path_factory):
 def test_auto_model_for_text_encoding_loads_the_encoder_of_a_seq2seq_folder(seq2seq_folder):
     encoder = AutoModelForTextEncoding.from_pretrained(seq2seq_folder, trust_remote_code=True)
     full = FAT5ForConditionalGeneration.from_pretrained(seq2seq_folder)
-    assert type(encoder).__name__ == "FAT5EncoderModel"
+    assert type(encoder).__name__ == "fat5.FAT5EncoderModel"
     full_encoder = full.encoder.state_dict()
     for name, tensor in encoder.encoder.state_dict().items():
         assert torch.equal(tensor, full_encoder[name]), name
@@ -389,21 +382,21 @@ json.dump({"auto_model": type(base_model).__name__, "encoder": type(transformer.
 
 
 def test_sentence_transformers_embeds_with_a_saved_encoder(seq2seq_folder, tmp_path):
-    """A folder saved by FAT5EncoderModel maps AutoModel (what sentence-transformers loads) to the encoder; in a
+    """A folder saved by fat5.FAT5EncoderModel maps AutoModel (what sentence-transformers loads) to the encoder; in a
     process with only the folder's code, as a Hub user has it."""
     pytest.importorskip("sentence_transformers")
     from transformers import AutoTokenizer
 
     from isolated import run_isolated
 
-    encoder = FAT5EncoderModel.from_pretrained(seq2seq_folder).eval()
+    encoder = fat5.FAT5EncoderModel.from_pretrained(seq2seq_folder).eval()
     folder = tmp_path / "encoder"
     encoder.save_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(seq2seq_folder)
     tokenizer.save_pretrained(folder)
     sentences = ["the cat sat", "a longer sentence about a dog"]
     result = run_isolated(EMBED_IN_A_HUB_USER_PROCESS, [folder, json.dumps(sentences)], tmp_path)
-    assert result["auto_model"] == result["encoder"] == "FAT5EncoderModel"
+    assert result["auto_model"] == result["encoder"] == "fat5.FAT5EncoderModel"
     batch = tokenizer(sentences, padding=True, return_tensors="pt")
     with torch.no_grad():
         hidden = encoder(**batch).last_hidden_state
@@ -427,9 +420,9 @@ def test_peft_methods_work_without_target_modules_as_for_t5(method):
         "ia3": lambda: peft.IA3Config(task_type="SEQ_2_SEQ_LM"),
         "adalora": lambda: peft.AdaLoraConfig(task_type="SEQ_2_SEQ_LM", total_step=10),
     }
-    fat5 = targeted_modules(build(FAT5ForConditionalGeneration), configs[method]())
+    ours = targeted_modules(build(FAT5ForConditionalGeneration), configs[method]())
     t5 = targeted_modules(build(T5ForConditionalGeneration), configs[method]())
-    assert fat5 and fat5 == t5
+    assert ours and ours == t5
 
 
 def generate_structure(model, **arguments):

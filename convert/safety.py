@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from convert.cli import CommandError
-from fat5.remote_code_fat5 import RENAME_EXCHANGE, RENAME_NOREPLACE, current_umask, renameat2, signals_deferred
+from fat5.remote_code_fat5 import RENAME_NOREPLACE, current_umask, renameat2, signals_deferred, swap_in
 
 STAGING_MARK = ".fat5-staging-"
 
@@ -69,11 +69,6 @@ def make_staging(out):
     return staging
 
 
-def _exchange(first, second):
-    """Atomically swap two paths. False where the system cannot."""
-    return renameat2(first, second, RENAME_EXCHANGE)
-
-
 def _rename_no_replace(first, second):
     """Rename `first` to `second`, atomically failing with FileExistsError if `second` exists. Without
     renameat2, `second` is claimed with mkdir first, then replaced by the rename (which replaces only an empty
@@ -105,17 +100,7 @@ def put_in_place(staging, out, replace):
         if replace != "all":
             raise OutputError(f"{out} appeared or was filled while converting: left as it is (use --overwrite "
                               "to replace it)") from error
-    if _exchange(staging, out):
-        return staging
-    # Two renames (signals are held by the caller); a crash between them leaves the old folder at a staging path.
-    old = staging.with_name(staging.name + "-old")
-    os.rename(out, old)
-    try:
-        os.rename(staging, out)
-    except OSError:
-        os.rename(old, out)
-        raise
-    return old
+    return swap_in(staging, out)  # signals are held by the caller
 
 
 class AtomicOutput:

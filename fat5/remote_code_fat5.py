@@ -243,17 +243,26 @@ def put_in_place(source, target):
         if not os.path.lexists(target):
             os.rename(source, target)
             old = None
-        elif exchange(source, target):
-            old = source
         else:
-            old = source.with_name(source.name + "-old")
-            os.rename(target, old)
-            try:
-                os.rename(source, target)
-            except OSError:
-                os.rename(old, target)
-                raise
+            old = swap_in(source, target)
     _fsync_folder(target.parent)
+    return old
+
+
+def swap_in(source, target):
+    """Put the folder `source` at the existing path `target` (call with signals held): one exchange, or two renames
+    where the system has none (a crash between them leaves the old folder at a `-old` path beside). Returns the
+    path that then holds the old folder."""
+    source, target = Path(source), Path(target)
+    if exchange(source, target):
+        return source
+    old = source.with_name(source.name + "-old")
+    os.rename(target, old)
+    try:
+        os.rename(source, target)
+    except OSError:
+        os.rename(old, target)
+        raise
     return old
 
 

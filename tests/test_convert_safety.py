@@ -19,6 +19,7 @@ import convert.export
 import convert.safety
 from convert.checkpoint import iter_converted_tensors, plan_conversion
 from convert.flan_to_fat5 import main
+from fat5 import remote_code_fat5
 from t5_checkpoints import make_t5_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,13 +86,13 @@ def test_interrupt_before_the_swap_keeps_the_old_folder(flan, tmp_path, capsys):
 @pytest.mark.parametrize("exchange", ["renameat2", "two renames"])
 def test_signal_during_the_swap_is_held_until_the_new_folder_is_in_place(flan, tmp_path, capsys, exchange):
     out = existing_out(tmp_path)
-    real_exchange = convert.safety._exchange
+    real_exchange = remote_code_fat5.exchange
 
     def interrupted_exchange(first, second):
         os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C exactly between the steps of the swap
         return real_exchange(first, second) if exchange == "renameat2" else False
 
-    with mock.patch.object(convert.safety, "_exchange", interrupted_exchange):
+    with mock.patch.object(remote_code_fat5, "exchange", interrupted_exchange):
         assert run_main(capsys, [str(flan), str(out), "--overwrite", "--no-verify"]) == 130
     assert one_error_line(capsys) == (
         f"interrupted: {out} holds the complete new conversion (the old folder was replaced)")

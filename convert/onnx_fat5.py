@@ -36,9 +36,13 @@ def check_exportable(folder):
     config_path = Path(folder) / "config.json"
     if not config_path.is_file():
         raise CommandError(f"{folder} has no config.json: not a model folder")
-    config = json.loads(config_path.read_text())
-    if config.get("model_type") != "fat5":
-        raise CommandError(f"{folder} is a {config.get('model_type')!r} model, not a FAT5 one")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise CommandError(f"{config_path} is not valid JSON ({error})") from error
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type != "fat5":
+        raise CommandError(f"{folder} is a {model_type!r} model, not a FAT5 one")
     position_type = config.get("position_encoding_type", "t5")
     if position_type != "t5":
         raise CommandError(f"position_encoding_type {position_type!r} has no ONNX config: only 't5' (T5's relative "

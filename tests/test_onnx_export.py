@@ -59,3 +59,9 @@ def test_a_position_type_without_onnx_config_is_refused_in_one_line(tmp_path, ca
     assert error == ("error: position_encoding_type 'fire' has no ONNX config: only 't5' (T5's relative bias) "
                      "exports to ONNX\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_that_is_not_fat5_is_refused_in_one_line(tmp_path, capsys):
+    assert onnx_fat5([str(DEMO_CHECKPOINT), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"error: {DEMO_CHECKPOINT} is a 't5' model, not a FAT5 one\n"
+    assert not (tmp_path / "out").exists()

@@ -674,8 +674,20 @@ def share_embedding(model, config, stack_names):
     model.register_load_state_dict_pre_hook(_fill_embedding_aliases)
 
 
+# transformers 4.x has no generic `PreTrainedModel.get_encoder` (each T5 class defines its own); generate and optimum's
+# ONNX exporter call it. On 5.x transformers' own is used (it also takes `modality`).
+HAS_GENERIC_GET_ENCODER = hasattr(PreTrainedModel, "get_encoder")
+
+
+def get_own_encoder(self):
+    return self.encoder
+
+
 class FAT5EncoderDecoderMixin:
     """Shared plumbing of the two encoder-decoder classes."""
+
+    if not HAS_GENERIC_GET_ENCODER:
+        get_encoder = get_own_encoder
 
     def _build_encoder_decoder(self, config):
         share_embedding(self, config, STACK_NAMES)
@@ -815,6 +827,9 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
 
 class FAT5EncoderMixin:
     """Shared plumbing of the encoder-only classes; a seq2seq checkpoint loads into them (decoder ignored)."""
+
+    if not HAS_GENERIC_GET_ENCODER:
+        get_encoder = get_own_encoder
 
     _keys_to_ignore_on_load_unexpected = [r"decoder\.", r"lm_head\.", r"encoder\.embed_tokens\.weight"]
 

@@ -1,0 +1,84 @@
+"""Export a FAT5 folder to ONNX with optimum's exporter, for onnxruntime (`optimum.onnxruntime`).
+
+    python -m convert.onnx_fat5 FOLDER OUT [--task text2text-generation-with-past] [--opset N]
+
+A FAT5 model whose position_encoding_type is "t5" (T5's relative bias) has T5's parameter names, config fields and
+computation, so it exports with optimum's own T5 ONNX config, registered here for model type "fat5". Other position
+types (FIRE, RoPE, ...) have no ONNX config and are refused. optimum's exporter (`pip install "fat5[onnx]"`)
+requires transformers < 4.58, so this runs on transformers 4.57 only.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from convert.cli import CliParser, CommandError, exit_with, run
+
+# optimum's tasks for T5, all of which the T5 ONNX config exports.
+TASKS = ("text2text-generation-with-past", "text2text-generation", "feature-extraction-with-past",
+         "feature-extraction")
+
+
+def build_parser():
+    parser = CliParser(prog="python -m convert.onnx_fat5", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", metavar="FOLDER", help="a FAT5 folder (config.json, weights, tokenizer)")
+    parser.add_argument("out", metavar="OUT", help="output folder for the ONNX files (must be empty or absent)")
+    parser.add_argument("--task", default=TASKS[0], choices=TASKS,
+                        help=f"what to export (default: {TASKS[0]}: encoder, decoder and decoder with cache, "
+                             "for ORTModelForSeq2SeqLM.generate)")
+    parser.add_argument("--opset", type=int, help="ONNX opset (default: optimum's for T5)")
+    return parser
+
+
+def check_exportable(folder):
+    """Refuse, with one line, a folder that is not a FAT5 model with T5's relative bias."""
+    config_path = Path(folder) / "config.json"
+    if not config_path.is_file():
+        raise CommandError(f"{folder} has no config.json: not a model folder")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise CommandError(f"{config_path} is not valid JSON ({error})") from error
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type != "fat5":
+        raise CommandError(f"{folder} is a {model_type!r} model, not a FAT5 one")
+    position_type = config.get("position_encoding_type", "t5")
+    if position_type != "t5":
+        raise CommandError(f"position_encoding_type {position_type!r} has no ONNX config: only 't5' (T5's relative "
+                           "bias) exports to ONNX")
+
+
+def register_fat5_onnx_config():
+    """Export model type "fat5" with optimum's T5 ONNX config (no-op when already registered)."""
+    try:
+        from optimum.exporters.onnx.model_configs import T5OnnxConfig
+        from optimum.exporters.tasks import TasksManager
+    except ImportError as error:
+        raise CommandError(f"optimum's ONNX exporter cannot be imported ({error}): pip install \"fat5[onnx]\" "
+                           "(it requires transformers < 4.58)") from error
+    TasksManager.create_register("onnx")("fat5", *TASKS)(T5OnnxConfig)
+
+
+def export(args, progress):
+    check_exportable(args.folder)
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CommandError(f"OUT {out} exists and is not an empty folder")
+    register_fat5_onnx_config()
+    from optimum.exporters.onnx import main_export
+
+    progress.describe = lambda: f"{out} may hold a partial export: delete it"
+    # optimum loads the folder's own remote code, reruns the exported graphs on fresh inputs and checks them against
+    # PyTorch's outputs (do_validation) before returning.
+    main_export(args.folder, out, task=args.task, opset=args.opset, trust_remote_code=True)
+    print(f"Wrote {out}: load it with optimum.onnxruntime.ORTModelForSeq2SeqLM.from_pretrained(OUT, "
+          "trust_remote_code=True)")
+
+
+def main(argv=None):
+    return run(lambda argv, progress: export(build_parser().parse_args(argv), progress), argv)
+
+
+if __name__ == "__main__":
+    exit_with(main)

@@ -535,6 +535,11 @@ class FAT5Stack(FAT5PreTrainedModel):
     def set_input_embeddings(self, embed_tokens):
         self.embed_tokens = embed_tokens
 
+    def tie_embeddings_and_encoder_decoder(self):
+        """Nothing to tie inside a stack: it shares the model's config, and transformers 4.57's `tie_weights` calls
+        this on every submodule, looking for an `encoder` and a `decoder` when the config sets `tie_encoder_decoder`.
+        The full model ties."""
+
     def _position_inputs(self, query_length, key_length, q_offset, device, positions=None, segments=None,
                          cross_segments=None):
         """Small per-forward position parameters shared by every layer (never an (L, L) T5 bias). `positions`

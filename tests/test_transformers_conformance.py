@@ -356,7 +356,7 @@ def seq2seq_folder(tmp_path_factory):
 def test_auto_model_for_text_encoding_loads_the_encoder_of_a_seq2seq_folder(seq2seq_folder):
     encoder = AutoModelForTextEncoding.from_pretrained(seq2seq_folder, trust_remote_code=True)
     full = FAT5ForConditionalGeneration.from_pretrained(seq2seq_folder)
-    assert type(encoder).__name__ == "fat5.FAT5EncoderModel"
+    assert type(encoder).__name__ == "FAT5EncoderModel"
     full_encoder = full.encoder.state_dict()
     for name, tensor in encoder.encoder.state_dict().items():
         assert torch.equal(tensor, full_encoder[name]), name
@@ -382,7 +382,7 @@ json.dump({"auto_model": type(base_model).__name__, "encoder": type(transformer.
 
 
 def test_sentence_transformers_embeds_with_a_saved_encoder(seq2seq_folder, tmp_path):
-    """A folder saved by fat5.FAT5EncoderModel maps AutoModel (what sentence-transformers loads) to the encoder; in a
+    """A folder saved by FAT5EncoderModel maps AutoModel (what sentence-transformers loads) to the encoder; in a
     process with only the folder's code, as a Hub user has it."""
     pytest.importorskip("sentence_transformers")
     from transformers import AutoTokenizer
@@ -396,7 +396,7 @@ def test_sentence_transformers_embeds_with_a_saved_encoder(seq2seq_folder, tmp_p
     tokenizer.save_pretrained(folder)
     sentences = ["the cat sat", "a longer sentence about a dog"]
     result = run_isolated(EMBED_IN_A_HUB_USER_PROCESS, [folder, json.dumps(sentences)], tmp_path)
-    assert result["auto_model"] == result["encoder"] == "fat5.FAT5EncoderModel"
+    assert result["auto_model"] == result["encoder"] == "FAT5EncoderModel"
     batch = tokenizer(sentences, padding=True, return_tensors="pt")
     with torch.no_grad():
         hidden = encoder(**batch).last_hidden_state

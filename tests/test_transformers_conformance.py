@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from torch import nn
 from transformers import (
     AutoModelForTextEncoding,
@@ -75,6 +76,14 @@ def run(model, **kwargs):
 
 
 EAGER = {"attn_implementation": "eager"}
+# Compared on transformers 5 only (the CI job on 4.57 skips them): get_encoder's modality (a transformers 5 API);
+# sentence-transformers, which on 4.57 loads an AutoProcessor without trust_remote_code; assisted generation, which
+# 4.57 refuses next to the min-length processor the test's generation config adds; and T5's decoder stack called
+# alone with output_attentions, which raises IndexError in 4.57's own T5.
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+needs_transformers_5 = pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 5 behaviour")
+
+
 FLAG_CASES = [
     pytest.param({"output_attentions": True, **EAGER}, {}, id="attentions-from-config"),
     pytest.param({"output_hidden_states": True}, {}, id="hidden-states-from-config"),
@@ -101,6 +110,9 @@ def test_output_flags_fall_back_to_the_config_as_in_t5(model_class, config_flags
 @pytest.mark.parametrize("stack_name", ["encoder", "decoder"])
 @pytest.mark.parametrize("config_flags, arguments", FLAG_CASES)
 def test_stacks_called_alone_fall_back_to_the_config_as_in_t5(stack_name, config_flags, arguments):
+    wants_attentions = arguments.get("output_attentions", config_flags.get("output_attentions"))
+    if stack_name == "decoder" and wants_attentions and not TRANSFORMERS_5:
+        pytest.skip("transformers 4.57's T5 decoder stack alone raises IndexError collecting cross-attentions")
     ids = inputs_for(fat5.FAT5Model)["input_ids"]
     outputs = {}
     for model_class in (fat5.FAT5Model, T5Model):
@@ -170,6 +182,7 @@ def describe(found, model):
     return "encoder" if type(found).__name__ in ("FAT5Stack", "T5Stack") else type(found).__name__
 
 
+@needs_transformers_5
 @pytest.mark.parametrize("model_class", list(T5_OF), ids=lambda cls: cls.__name__)
 @pytest.mark.parametrize("modality", [None, "image", "video", "audio", "text"])
 def test_get_encoder_takes_a_modality_as_t5(model_class, modality):
@@ -379,8 +392,7 @@ embeddings = model.encode(sentences, convert_to_tensor=True)
 json.dump({"auto_model": type(base_model).__name__, "encoder": type(transformer.auto_model).__name__,
            "embeddings": embeddings.tolist()}, open(out, "w"))
 """
-
-
+@needs_transformers_5
 def test_sentence_transformers_embeds_with_a_saved_encoder(seq2seq_folder, tmp_path):
     """A folder saved by FAT5EncoderModel maps AutoModel (what sentence-transformers loads) to the encoder; in a
     process with only the folder's code, as a Hub user has it."""
@@ -453,8 +465,7 @@ def test_generate_returns_what_t5_returns(arguments):
     structures = [generate_structure(build(model_class, num_decoder_layers=2, **EAGER), **arguments)
                   for model_class in (FAT5ForConditionalGeneration, T5ForConditionalGeneration)]
     assert structures[0] == structures[1]
-
-
+@needs_transformers_5
 def test_generate_from_inputs_embeds_and_with_an_assistant_gives_the_greedy_tokens():
     model = build(FAT5ForConditionalGeneration)
     inputs = inputs_for(FAT5ForConditionalGeneration)

@@ -53,8 +53,10 @@ _RULES = (
     (("lm_loss_implementation",), lambda value: value in LM_LOSS_IMPLEMENTATIONS, f"one of {LM_LOSS_IMPLEMENTATIONS}"),
     (("feed_forward_proj",), _feed_forward_proj,
      "of the form 'ACT' or 'gated-ACT' with ACT a transformers activation (e.g. 'relu', 'gated-gelu', 'gated-silu')"),
-    (("pad_token_id", "decoder_start_token_id"), _token_id,
-     "a token id (T5 models need pad_token_id and decoder_start_token_id, usually both 0)"),
+    # As in T5Config, pad_token_id may be null (generate then pads with eos; training from labels needs it and
+    # says so); the decoder always starts from a token.
+    (("pad_token_id",), lambda value: value is None or _token_id(value), "a token id or null"),
+    (("decoder_start_token_id",), _token_id, "a token id (the decoder starts from it; T5 uses 0, its pad token)"),
     (("eos_token_id",), lambda value: value is None or _token_id(value)
      or (isinstance(value, list) and all(_token_id(item) for item in value)), "a token id, a list of them or null"),
 )
@@ -240,7 +242,7 @@ class FAT5Config(PretrainedConfig):
         if self.position_encoding_type == "rope" and self.d_kv % 2:
             fail("d_kv", f"RoPE rotates pairs of channels, so d_kv must be even, got {self.d_kv}")
         for field in ("pad_token_id", "decoder_start_token_id"):
-            if getattr(self, field) >= self.vocab_size:
+            if getattr(self, field) is not None and getattr(self, field) >= self.vocab_size:
                 fail(field, f"{getattr(self, field)} is not below vocab_size {self.vocab_size}")
 
 

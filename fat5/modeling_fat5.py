@@ -7,6 +7,7 @@ parameters, built once per stack forward) to the backend function the seam picks
 """
 
 import contextlib
+import copy
 import os
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+from transformers.loss.loss_utils import ForQuestionAnsweringLoss, ForSequenceClassificationLoss, ForTokenClassification
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutput,
@@ -496,6 +498,8 @@ class FAT5PreTrainedModel(PreTrainedModel):
     def _shift_right(self, input_ids, segment_ids=None):
         """Decoder inputs from labels: prepend decoder_start_token_id, turn -100 into pad. With (B, L)
         `segment_ids` (packed rows), every segment starts with decoder_start_token_id."""
+        if self.config.pad_token_id is None:
+            raise ValueError("FAT5Config.pad_token_id is null: decoder inputs made from labels need it (T5 uses 0)")
         shifted = input_ids.new_zeros(input_ids.shape)
         shifted[..., 1:] = input_ids[..., :-1].clone()
         shifted[..., 0] = self.config.decoder_start_token_id
@@ -838,8 +842,17 @@ class FAT5EncoderMixin:
 
     _keys_to_ignore_on_load_unexpected = [r"decoder\.", r"lm_head\.", r"encoder\.embed_tokens\.weight"]
 
-    def _build_encoder(self, config):
-        share_embedding(self, config, ("encoder",))
+    def __init__(self, config):
+        # As T5's encoder-only classes do, the model's config says it is no encoder-decoder and keeps no cache
+        # (transformers' output checks, pipelines and saved folders read these); unlike T5, on a copy, so the
+        # caller's config still describes the seq2seq model it came from.
+        config = copy.deepcopy(config)
+        config.is_encoder_decoder = False
+        config.use_cache = False
+        super().__init__(config)
+
+    def _build_encoder(self):
+        share_embedding(self, self.config, ("encoder",))
 
     def get_input_embeddings(self):
         return self.shared
@@ -858,7 +871,7 @@ class FAT5EncoderMixin:
 class FAT5EncoderModel(FAT5EncoderMixin, FAT5PreTrainedModel):
     def __init__(self, config: FAT5Config):
         super().__init__(config)
-        self._build_encoder(config)
+        self._build_encoder()
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, output_hidden_states=None,
@@ -896,7 +909,7 @@ class FAT5ForSequenceClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
-        self._build_encoder(config)
+        self._build_encoder()
         self.classification_head = FAT5ClassificationHead(config)
         self.post_init()
 
@@ -913,12 +926,9 @@ class FAT5ForSequenceClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
         logits = self.classification_head(pooled)
         loss = None
         if labels is not None:
-            if self.config.num_labels == 1:
-                loss = F.mse_loss(logits.squeeze(-1).float(), labels.float())
-            elif labels.dtype in (torch.long, torch.int):
-                loss = F.cross_entropy(logits.float(), labels)
-            else:
-                loss = F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+            # transformers' own rule: config.problem_type when set, else inferred (and recorded) from num_labels
+            # and the labels' dtype.
+            loss = ForSequenceClassificationLoss(labels, logits.float(), self.config)
         return self._output(SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                                      attentions=outputs.attentions), return_dict)
 
@@ -926,7 +936,7 @@ class FAT5ForSequenceClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
 class FAT5ForTokenClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
     def __init__(self, config: FAT5Config):
         super().__init__(config)
-        self._build_encoder(config)
+        self._build_encoder()
         self.dropout = nn.Dropout(config.classifier_dropout)
         self.classifier = t5_linear(config.d_model, config.num_labels, init_std=config.d_model**-0.5, bias=True)
         self.post_init()
@@ -938,8 +948,7 @@ class FAT5ForTokenClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                                   ignore_index=-100)
+            loss = ForTokenClassification(logits, labels, self.config)
         return self._output(TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                                   attentions=outputs.attentions), return_dict)
 
@@ -949,7 +958,7 @@ class FAT5ForQuestionAnswering(FAT5EncoderMixin, FAT5PreTrainedModel):
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
-        self._build_encoder(config)
+        self._build_encoder()
         self.qa_outputs = t5_linear(config.d_model, 2, init_std=config.d_model**-0.5, bias=True)
         self.post_init()
 
@@ -958,14 +967,8 @@ class FAT5ForQuestionAnswering(FAT5EncoderMixin, FAT5PreTrainedModel):
         _reject_segment_ids(kwargs, "FAT5ForQuestionAnswering")
         outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions)
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).float().unbind(dim=-1)
-        loss = None
-        if start_positions is not None and end_positions is not None:
-            # Positions outside the sequence are ignored, as in transformers' QA heads.
-            length = start_logits.shape[1]
-            start = start_positions.clamp(0, length)
-            end = end_positions.clamp(0, length)
-            loss = (F.cross_entropy(start_logits, start, ignore_index=length)
-                    + F.cross_entropy(end_logits, end, ignore_index=length)) / 2
+        # Positions outside the sequence are ignored, as in transformers' QA heads.
+        loss = ForQuestionAnsweringLoss(start_logits, end_logits, start_positions, end_positions)
         return self._output(QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits, end_logits=end_logits,
                                                          hidden_states=outputs.hidden_states,
                                                          attentions=outputs.attentions), return_dict)

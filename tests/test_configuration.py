@@ -13,6 +13,8 @@ FLAG_FIELDS = ("tie_word_embeddings", "scale_decoder_outputs", "relative_bias_pe
 # None means "the default" for these (e.g. attention dropout defaults to dropout_rate).
 NONE_MEANS_DEFAULT = ("attention_dropout_rate", "num_decoder_layers", "decoder_start_token_id",
                       "scale_decoder_outputs")
+# None is a value T5Config accepts for these (a model without a pad token).
+NONE_ACCEPTED = ("pad_token_id",)
 # Values of the right type but out of range, per field.
 OUT_OF_RANGE = {
     "layer_norm_epsilon": [-1e-6, 0.0, float("nan"), float("inf")], "dropout_rate": [1.0, -0.1],
@@ -31,7 +33,7 @@ def wrong_types(field):
         values = ["yes", 1, None]
     else:
         values = ["0.1", None, True, [1]] if field != "eos_token_id" else ["1", True, [1, "2"]]
-    return [value for value in values if not (value is None and field in NONE_MEANS_DEFAULT)]
+    return [value for value in values if not (value is None and field in NONE_MEANS_DEFAULT + NONE_ACCEPTED)]
 
 
 BAD_VALUES = [(field, value) for field in sorted(FIELD_RULES)

@@ -1,0 +1,356 @@
+"""The behaviours transformers' own model tests (`ModelTesterMixin`, `GenerationTesterMixin`) check on T5, checked
+on every FAT5 class in our own words. Where T5 answers the same question, T5 built from the same config is the spec;
+the README's "transformers conformance" list says where FAT5 differs on purpose."""
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import T5Config, T5ForConditionalGeneration, T5ForTokenClassification
+
+import fat5
+from fat5 import FAT5Config, FAT5ForConditionalGeneration
+from t5_twins import (
+    EAGER,
+    ENCODER_DECODER,
+    ENCODER_ONLY,
+    SHAPES,
+    T5_OF,
+    VOCAB,
+    build,
+    inputs_for,
+    needs_transformers_5,
+    run,
+)
+
+FAT5_CLASSES = list(T5_OF)
+by_name = {"ids": lambda model_class: model_class.__name__}
+
+
+def first_tensor(output):
+    """The output a user reads first (logits, start logits or the last hidden state)."""
+    return next(value for value in output.to_tuple() if isinstance(value, torch.Tensor) and value.dim() > 1)
+
+
+def close(actual, expected, relative=1e-5):
+    """Equal up to `relative` times the largest magnitude compared (fp32 sums in another order)."""
+    return torch.allclose(actual, expected, rtol=0, atol=relative * expected.abs().max().item())
+
+
+def labelled_inputs(model):
+    """Inputs with the labels of each head, so every class returns a loss."""
+    inputs = inputs_for(type(model))
+    batch, length = inputs["input_ids"].shape
+    if isinstance(model, FAT5ForConditionalGeneration):
+        inputs["labels"] = inputs.pop("decoder_input_ids")
+    elif isinstance(model, fat5.FAT5ForTokenClassification):
+        inputs["labels"] = torch.tensor([[0, 1, 2, 1, 0, 2], [2, 1, 0, 1, -100, -100]])
+    elif isinstance(model, fat5.FAT5ForSequenceClassification):
+        inputs["labels"] = torch.tensor([0, 2])
+    elif isinstance(model, fat5.FAT5ForQuestionAnswering):
+        inputs["start_positions"], inputs["end_positions"] = torch.tensor([1, 0]), torch.tensor([3, 2])
+    return inputs
+
+
+def loss_of(output):
+    """The loss of a head, or, for the classes that have none, a fixed random projection of the output (not its
+    mean square: after the final RMSNorm that is constant)."""
+    if getattr(output, "loss", None) is not None:
+        return output.loss
+    features = first_tensor(output)
+    projection = torch.randn(features.shape, generator=torch.Generator().manual_seed(0))
+    return (features * projection).sum()
+
+
+# -- outputs -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_class", FAT5_CLASSES, **by_name)
+def test_each_row_alone_gives_its_row_of_the_batch(model_class):
+    model = build(model_class)
+    batch = inputs_for(model_class)
+    together = first_tensor(run(model))
+    with torch.no_grad():
+        for row in range(2):
+            alone = model(**{name: tensor[row:row + 1] for name, tensor in batch.items()})
+            assert close(first_tensor(alone)[0], together[row])
+
+
+@pytest.mark.parametrize("model_class", FAT5_CLASSES, **by_name)
+def test_two_calls_in_eval_mode_give_identical_outputs(model_class):
+    model = build(model_class, dropout_rate=0.3)
+    assert torch.equal(first_tensor(run(model)), first_tensor(run(model)))
+
+
+@pytest.mark.parametrize("model_class", FAT5_CLASSES, **by_name)
+def test_inputs_embeds_give_the_outputs_of_their_input_ids(model_class):
+    model = build(model_class)
+    inputs = inputs_for(model_class)
+    embed = model.get_input_embeddings()
+    with torch.no_grad():
+        from_embeds = {"inputs_embeds": embed(inputs.pop("input_ids")), **inputs}
+        if "decoder_input_ids" in inputs:
+            from_embeds["decoder_inputs_embeds"] = embed(from_embeds.pop("decoder_input_ids"))
+        assert close(first_tensor(model(**from_embeds)), first_tensor(run(model)))
+
+
+OUTPUT_FIELDS = ("hidden_states", "attentions", "encoder_hidden_states", "encoder_attentions",
+                 "decoder_hidden_states", "decoder_attentions", "cross_attentions")
+
+
+@pytest.mark.parametrize("model_class", FAT5_CLASSES, **by_name)
+def test_attention_and_hidden_state_shapes_are_t5s(model_class):
+    def shapes(output):
+        return {name: [tuple(tensor.shape) for tensor in output[name]] for name in OUTPUT_FIELDS
+                if output.get(name)}
+
+    flags = {"output_attentions": True, "output_hidden_states": True}
+    assert shapes(run(build(model_class, **EAGER), **flags)) == shapes(run(build(T5_OF[model_class], **EAGER),
+                                                                               **flags))
+
+
+@pytest.mark.parametrize("model_class", FAT5_CLASSES, **by_name)
+def test_returned_hidden_states_and_attentions_keep_their_gradients(model_class):
+    model = build(model_class, **EAGER).train()
+    output = model(**inputs_for(model_class), output_attentions=True, output_hidden_states=True)
+    kept = [output[name][0] for name in OUTPUT_FIELDS if output.get(name)]
+    assert len(kept) == (5 if model_class in ENCODER_DECODER else 2)
+    for tensor in kept:
+        tensor.retain_grad()
+    first_tensor(output).sum().backward()
+    assert all(tensor.grad is not None and tensor.grad.abs().sum() > 0 for tensor in kept)
+
+
+@pytest.mark.parametrize("model_class", ENCODER_ONLY, **by_name)
+def test_encoder_only_classes_say_so_in_their_config_as_t5s_do(model_class):
+    config = FAT5Config(**SHAPES)
+    model = model_class(config)
+    t5_twin = T5_OF[model_class](T5Config(**SHAPES))
+    described = ("is_encoder_decoder", "use_cache")
+    assert {field: getattr(model.config, field) for field in described} == {
+        field: getattr(t5_twin.config, field) for field in described}
+    # Unlike T5's, the caller's config is left as it was (it may still build the seq2seq model).
+    assert config.is_encoder_decoder and config.use_cache
+
+
+def test_labels_alone_give_the_loss_of_labels_with_their_shifted_decoder_inputs():
+    model = build(FAT5ForConditionalGeneration)
+    inputs = labelled_inputs(model)
+    with torch.no_grad():
+        from_labels = model(**inputs).loss
+        shifted = model(**inputs, decoder_input_ids=model._shift_right(inputs["labels"])).loss
+    assert torch.equal(from_labels, shifted)
+
+
+PROBLEM_TYPES = [
+    pytest.param(None, 3, torch.tensor([0, 2]), "single_label_classification", id="inferred-single-label"),
+    pytest.param(None, 3, torch.tensor([[1.0, 0, 1], [0, 1, 0]]), "multi_label_classification",
+                 id="inferred-multi-label"),
+    pytest.param(None, 1, torch.tensor([0.5, -1.0]), "regression", id="inferred-regression"),
+    pytest.param("regression", 3, torch.tensor([[0.5, 1, 2], [0, 1, -1]]), "regression", id="set-regression"),
+]
+
+
+@pytest.mark.parametrize("problem_type, num_labels, labels, expected_type", PROBLEM_TYPES)
+def test_sequence_classification_follows_the_problem_type(problem_type, num_labels, labels, expected_type):
+    model = build(fat5.FAT5ForSequenceClassification, num_labels=num_labels, problem_type=problem_type)
+    inputs = inputs_for(fat5.FAT5ForSequenceClassification)
+    with torch.no_grad():
+        output = model(**inputs, labels=labels)
+    logits = output.logits.float()
+    expected = {"single_label_classification": lambda: F.cross_entropy(logits, labels),
+                "multi_label_classification": lambda: F.binary_cross_entropy_with_logits(logits, labels),
+                "regression": lambda: F.mse_loss(logits.squeeze(), labels.squeeze())}[expected_type]()
+    assert model.config.problem_type == expected_type
+    assert torch.allclose(output.loss, expected, rtol=1e-6, atol=0)
+
+
+@needs_transformers_5
+@pytest.mark.parametrize("model_class", FAT5_CLASSES, **by_name)
+def test_forward_takes_t5s_arguments_in_t5s_order(model_class):
+    """So positional calls written for T5 mean the same. FAT5's sequence-classification and QA heads are
+    encoder-only (T5's take decoder inputs), so they follow T5's encoder."""
+
+    def arguments(cls):
+        return [name for name in inspect.signature(cls.forward).parameters if name not in ("self", "kwargs")]
+
+    ours, t5s = arguments(model_class), arguments(T5_OF[model_class])
+    assert model_class.main_input_name == "input_ids"
+    assert ours[:len(t5s)] == t5s
+
+
+# -- weights, saving and loading ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_class", FAT5_CLASSES, **by_name)
+def test_every_class_saves_and_loads_to_identical_outputs(model_class, tmp_path):
+    model = build(model_class)
+    model.save_pretrained(tmp_path)
+    loaded, info = model_class.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info[kind] for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    assert torch.equal(first_tensor(run(loaded.eval())), first_tensor(run(model)))
+
+
+@pytest.mark.parametrize("model_class", FAT5_CLASSES, **by_name)
+def test_every_class_builds_on_the_meta_device(model_class):
+    with torch.device("meta"):
+        model = model_class(FAT5Config(**SHAPES))
+    assert all(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()])
+
+
+def test_a_head_of_another_size_reloads_only_with_ignore_mismatched_sizes_as_in_t5(tmp_path):
+    mismatched = {}
+    for model_class in (fat5.FAT5ForTokenClassification, T5ForTokenClassification):
+        folder = tmp_path / model_class.__name__
+        model = build(model_class)
+        model.save_pretrained(folder)
+        with pytest.raises((RuntimeError, ValueError), match="size"):
+            model_class.from_pretrained(folder, num_labels=5)
+        loaded, info = model_class.from_pretrained(folder, num_labels=5, ignore_mismatched_sizes=True,
+                                                   output_loading_info=True)
+        # transformers 5 lists (key, saved shape, model shape), 4.57 the keys alone.
+        mismatched[model_class] = sorted(entry if isinstance(entry, str) else entry[0]
+                                         for entry in info["mismatched_keys"])
+        assert loaded.classifier.out_features == 5
+        assert torch.equal(loaded.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    assert mismatched[fat5.FAT5ForTokenClassification] == mismatched[T5ForTokenClassification] == [
+        "classifier.bias", "classifier.weight"]
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("resize", [dict(new_num_tokens=VOCAB + 7), dict(new_num_tokens=VOCAB - 5),
+                                    dict(new_num_tokens=VOCAB + 1, pad_to_multiple_of=16)],
+                         ids=["grow", "shrink", "pad-to-multiple"])
+def test_resizing_token_embeddings_does_what_it_does_to_t5(tied, resize):
+    def resized(model_class):
+        model = build(model_class, tie_word_embeddings=tied)
+        before = model.get_input_embeddings().weight.detach().clone()
+        model.resize_token_embeddings(**resize)
+        embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+        kept = min(VOCAB, embeddings.num_embeddings)
+        assert torch.equal(embeddings.weight[:kept], before[:kept])
+        for stack in (model.encoder, model.decoder):
+            assert stack.embed_tokens is embeddings
+        inputs = {name: tensor % embeddings.num_embeddings if name.endswith("input_ids") else tensor
+                  for name, tensor in inputs_for(model_class).items()}
+        inputs["input_ids"][0, 0] = embeddings.num_embeddings - 1
+        with torch.no_grad():
+            logits = model(**inputs).logits
+        return {"vocab_size": model.config.vocab_size, "embeddings": tuple(embeddings.weight.shape),
+                "head": tuple(head.weight.shape), "head_is_embedding": head.weight is embeddings.weight,
+                "logits": tuple(logits.shape)}
+
+    ours, t5s = resized(FAT5ForConditionalGeneration), resized(T5ForConditionalGeneration)
+    # transformers 5's T5Config ties whatever it is given, so T5 cannot be the spec of an untied head.
+    assert ours.pop("head_is_embedding") == tied
+    t5s.pop("head_is_embedding")
+    assert ours == t5s
+
+
+@pytest.mark.parametrize("model_class", FAT5_CLASSES, **by_name)
+def test_new_input_embeddings_reach_every_stack(model_class):
+    model = build(model_class)
+    replacement = torch.nn.Embedding(VOCAB, SHAPES["d_model"])
+    model.set_input_embeddings(replacement)
+    assert model.get_input_embeddings() is replacement
+    stacks = (model.encoder, model.decoder) if model_class in ENCODER_DECODER else (model.encoder,)
+    assert all(stack.get_input_embeddings() is replacement for stack in stacks)
+
+
+# -- training --------------------------------------------------------------------------------------------------------
+
+
+def gradients(model, inputs):
+    model.zero_grad()
+    loss_of(model(**inputs)).backward()
+    return {name: parameter.grad for name, parameter in model.named_parameters()}
+
+
+@pytest.mark.parametrize("model_class", FAT5_CLASSES, **by_name)
+def test_a_training_step_reaches_every_parameter_and_checkpointing_changes_no_gradient(model_class):
+    model = build(model_class).train()
+    inputs = labelled_inputs(model)
+    plain = gradients(model, inputs)
+    # (A QA head's biases get zero gradient in exact arithmetic: softmax gradients sum to zero over positions.)
+    assert all(grad is not None for grad in plain.values())
+    assert all(grad.abs().sum() > 0 for name, grad in plain.items() if name.endswith("weight"))
+    largest = max(grad.abs().max() for grad in plain.values())
+    for use_reentrant in (True, False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        assert model.is_gradient_checkpointing
+        checkpointed = gradients(model, inputs)
+        # Equal up to 1e-5 of the largest gradient entry of the model (the same sums, recomputed).
+        assert all(torch.allclose(checkpointed[name], grad, rtol=0, atol=1e-5 * largest)
+                   for name, grad in plain.items())
+        model.gradient_checkpointing_disable()
+    assert not model.is_gradient_checkpointing
+
+
+@pytest.mark.parametrize("model_class", FAT5_CLASSES, **by_name)
+def test_a_frozen_model_with_input_gradients_trains_an_adapter_through_checkpointing(model_class):
+    """What PEFT does: freeze the model, `enable_input_require_grads`, checkpoint, and still get gradients for
+    trainable weights inside the blocks."""
+    model = build(model_class).train()
+    model.requires_grad_(False)
+    adapter = model.encoder.block[0].layer[0].SelfAttention.q.weight
+    adapter.requires_grad_(True)
+    model.enable_input_require_grads()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    loss_of(model(**labelled_inputs(model))).backward()
+    assert adapter.grad is not None and adapter.grad.abs().sum() > 0
+
+
+# -- generation ----------------------------------------------------------------------------------------------------
+
+
+# transformers 5.23's T5 cannot generate when its decoder is deeper than its encoder (FAT5 can; see
+# test_generation_cache.py), so generation compared with T5 uses equal depths.
+EQUAL_DEPTHS = {"num_decoder_layers": SHAPES["num_layers"]}
+
+
+def generate_inputs():
+    inputs = inputs_for(FAT5ForConditionalGeneration)
+    inputs.pop("decoder_input_ids")
+    return inputs
+
+
+def test_generation_continues_from_a_returned_cache_with_the_tokens_of_one_call():
+    model = build(FAT5ForConditionalGeneration)
+    inputs = generate_inputs()
+    arguments = {"do_sample": False, "return_dict_in_generate": True}
+    whole = model.generate(**inputs, max_new_tokens=5, min_new_tokens=5, **arguments)
+    first = model.generate(**inputs, max_new_tokens=2, min_new_tokens=2, **arguments)
+    continued = model.generate(**inputs, decoder_input_ids=first.sequences, past_key_values=first.past_key_values,
+                               max_new_tokens=3, min_new_tokens=3, **arguments)
+    assert torch.equal(continued.sequences, whole.sequences)
+
+
+@pytest.mark.parametrize("model_class", [FAT5ForConditionalGeneration, T5ForConditionalGeneration], **by_name)
+def test_generation_without_inputs_or_pad_token_starts_from_the_decoder_start_token(model_class):
+    """T5 configs may leave pad_token_id null; generate then needs no inputs at all."""
+    model = build(model_class, pad_token_id=None, bos_token_id=0, **EQUAL_DEPTHS)
+    tokens = model.generate(max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    assert tokens.shape == (1, 4) and tokens[0, 0] == model.config.decoder_start_token_id
+
+
+def test_training_from_labels_without_a_pad_token_says_what_is_missing():
+    model = build(FAT5ForConditionalGeneration, pad_token_id=None)
+    with pytest.raises(ValueError, match="^FAT5Config.pad_token_id is null"):
+        model(**labelled_inputs(model))
+
+
+def test_prompt_lookup_and_beam_sampling_generate_as_in_t5():
+    model = build(FAT5ForConditionalGeneration)
+    inputs = generate_inputs()
+    arguments = {"max_new_tokens": 4, "min_new_tokens": 4}
+    first = {name: tensor[:1] for name, tensor in inputs.items()}  # candidate generators take one row
+    greedy = model.generate(**first, do_sample=False, **arguments)
+    looked_up = model.generate(**first, do_sample=False, prompt_lookup_num_tokens=2, **arguments)
+    assert torch.equal(looked_up, greedy)
+    sampled = {}
+    for model_class in (FAT5ForConditionalGeneration, T5ForConditionalGeneration):
+        torch.manual_seed(0)
+        sampled[model_class] = build(model_class, **EQUAL_DEPTHS).generate(**inputs, do_sample=True, num_beams=2,
+                                                           num_return_sequences=2, **arguments).shape
+    assert sampled[FAT5ForConditionalGeneration] == sampled[T5ForConditionalGeneration] == (4, 5)

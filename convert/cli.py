@@ -12,6 +12,7 @@ imports transformers first.)
 """
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -56,25 +57,49 @@ def error_line(error):
     return text.splitlines()[0] if text else type(error).__name__
 
 
+# The Ctrl-Cs the running command's main process received. Remembered rather than only raised: some libraries turn
+# an interruption during their imports into another error, and Python drops an exception raised while it runs a
+# `__del__` or a weakref callback (printing "Exception ignored ..."), after which the command would go on.
+_interruptions = []
+
+
+def raise_if_interrupted():
+    """Raise the KeyboardInterrupt of a Ctrl-C that Python dropped. Long loops call it at safe points (the
+    Trainers' steps, fat5/training/run_folder.py), and `run` calls it when the command returns."""
+    if _interruptions:
+        raise KeyboardInterrupt
+
+
 def run(command, argv=None):
     """Call `command(argv, progress)`; return its exit status under the convention above."""
     progress = Progress()
-    interrupted = []
+    main_process = os.getpid()
+    _interruptions.clear()
 
     def on_interrupt(number, frame):
-        interrupted.append(number)
+        if os.getpid() != main_process:
+            # A forked data-loader worker inherits this handler and, in the terminal's process group, gets the
+            # same Ctrl-C: it carries on until its main process, interrupted, stops it.
+            return
+        _interruptions.append(number)
         raise KeyboardInterrupt
 
-    # Some libraries turn an interruption during their imports into another error: remember the signal itself.
+    def on_unraisable(report):
+        # The dropped KeyboardInterrupt of a Ctrl-C is raised again by raise_if_interrupted: no traceback for it.
+        if not (_interruptions and issubclass(report.exc_type, KeyboardInterrupt)):
+            previous_unraisable(report)
+
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, on_interrupt) if in_main_thread else None
+    previous_unraisable, sys.unraisablehook = sys.unraisablehook, on_unraisable
     try:
         command(argv, progress)
+        raise_if_interrupted()
     except KeyboardInterrupt:
         print(f"interrupted: {progress.describe()}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as error:
-        if interrupted:
+        if _interruptions:
             print(f"interrupted: {progress.describe()}", file=sys.stderr)
             return EXIT_INTERRUPTED
         if not isinstance(error, (CommandError, OSError)):
@@ -82,6 +107,8 @@ def run(command, argv=None):
         print(f"error: {error_line(error)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     finally:
+        _interruptions.clear()
+        sys.unraisablehook = previous_unraisable
         if in_main_thread:
             signal.signal(signal.SIGINT, previous)
     return 0

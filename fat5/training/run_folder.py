@@ -54,7 +54,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from convert.cli import CommandError
+from convert.cli import CommandError, raise_if_interrupted
 from fat5.remote_code_fat5 import put_in_place, remove_stale_staging
 
 RECORD_NAME = "fat5_run.json"
@@ -307,7 +307,16 @@ def _main_process_first(training_args):
 class RunFolderTrainerMixin:
     """Mixin for transformers' Trainer (``class MyTrainer(RunFolderTrainerMixin, Trainer)``): checkpoints written
     in a staging folder, marked with the run's id and moved into place in one step, then rotated by
-    --save_total_limit among this run's complete checkpoints only."""
+    --save_total_limit among this run's complete checkpoints only. A Ctrl-C that Python dropped (see
+    `convert.cli`) stops the run at the next step."""
+
+    def training_step(self, *args, **kwargs):
+        raise_if_interrupted()
+        return super().training_step(*args, **kwargs)
+
+    def prediction_step(self, *args, **kwargs):
+        raise_if_interrupted()
+        return super().prediction_step(*args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
         run_dir = Path(self._get_output_dir(trial=trial))

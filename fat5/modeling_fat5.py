@@ -907,6 +907,10 @@ class FAT5ClassificationHead(nn.Module):
 class FAT5ForSequenceClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
     """Encoder + mean pooling over real tokens + classification head; regression when num_labels == 1."""
 
+    # The loss is a mean over the batch's examples: the Trainer divides it by the gradient-accumulation steps
+    # rather than passing num_items_in_batch (which `**kwargs` in forward would otherwise announce).
+    accepts_loss_kwargs = False
+
     def __init__(self, config: FAT5Config):
         super().__init__(config)
         self._build_encoder()
@@ -942,19 +946,24 @@ class FAT5ForTokenClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
-                output_hidden_states=None, return_dict=None, output_attentions=None, segment_ids=None, **kwargs):
+                output_hidden_states=None, return_dict=None, output_attentions=None, segment_ids=None,
+                num_items_in_batch=None, **kwargs):
+        """`num_items_in_batch` (from the Trainer): labelled tokens in the whole accumulated batch, so gradient
+        accumulation weighs every token alike however the tokens fall into micro-batches."""
         outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions,
                                segment_ids)
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
-            loss = ForTokenClassification(logits, labels, self.config)
+            loss = ForTokenClassification(logits, labels, self.config, num_items_in_batch=num_items_in_batch)
         return self._output(TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                                   attentions=outputs.attentions), return_dict)
 
 
 class FAT5ForQuestionAnswering(FAT5EncoderMixin, FAT5PreTrainedModel):
     """Extractive QA: start/end logits over the encoder tokens."""
+
+    accepts_loss_kwargs = False  # a mean over examples, as FAT5ForSequenceClassification's
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)

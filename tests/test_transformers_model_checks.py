@@ -7,7 +7,7 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import T5Config, T5ForConditionalGeneration, T5ForTokenClassification
+from transformers import T5Config, T5ForConditionalGeneration, T5ForTokenClassification, Trainer, TrainingArguments
 
 import fat5
 from fat5 import FAT5Config, FAT5ForConditionalGeneration
@@ -289,6 +289,40 @@ def test_a_training_step_reaches_every_parameter_and_checkpointing_changes_no_gr
                    for name, grad in plain.items())
         model.gradient_checkpointing_disable()
     assert not model.is_gradient_checkpointing
+
+
+TRAINED_HEADS = [FAT5ForConditionalGeneration, fat5.FAT5ForTokenClassification, fat5.FAT5ForSequenceClassification,
+                 fat5.FAT5ForQuestionAnswering]
+
+
+@pytest.mark.parametrize("model_class", TRAINED_HEADS, **by_name)
+def test_gradient_accumulation_in_the_trainer_gives_the_step_of_the_whole_batch(model_class, tmp_path):
+    """One SGD step over 4 examples, taken at once or accumulated over 2 micro-batches, moves every weight alike.
+    The token head's examples hold 6, 4, 2 and 1 labelled tokens, so every split into two micro-batches is ragged
+    and only a loss that weighs every token alike passes."""
+    inputs = labelled_inputs(build(model_class))
+    examples = [{name: tensor[row] for name, tensor in inputs.items()} for row in (0, 1, 0, 1)]
+    if model_class is fat5.FAT5ForTokenClassification:
+        for example, labelled in zip(examples, (6, 4, 2, 1)):
+            example["labels"] = example["labels"].clone()
+            example["labels"][labelled:] = -100
+
+    def update(batch_size, accumulation):
+        model = build(model_class).train()
+        before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+        arguments = TrainingArguments(
+            output_dir=str(tmp_path / f"{batch_size}x{accumulation}"), per_device_train_batch_size=batch_size,
+            gradient_accumulation_steps=accumulation, max_steps=1, optim="sgd", learning_rate=1.0,
+            lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0, report_to="none",
+            save_strategy="no", disable_tqdm=True, use_cpu=True, seed=0)
+        Trainer(model=model, args=arguments, train_dataset=examples).train()
+        return {name: parameter.detach() - before[name] for name, parameter in model.named_parameters()}
+
+    whole, accumulated = update(4, 1), update(2, 2)
+    largest = max(step.abs().max() for step in whole.values())
+    assert largest > 0
+    # Equal up to 1e-5 of the largest weight update (the same gradient, summed in another order).
+    assert all(torch.allclose(accumulated[name], step, rtol=0, atol=1e-5 * largest) for name, step in whole.items())
 
 
 @pytest.mark.parametrize("model_class", FAT5_CLASSES, **by_name)

@@ -77,21 +77,27 @@ def run(command, argv=None):
     _interruptions.clear()
 
     def on_interrupt(number, frame):
-        if os.getpid() != main_process:
-            # A forked data-loader worker inherits this handler and, in the terminal's process group, gets the
-            # same Ctrl-C: it carries on until its main process, interrupted, stops it.
-            return
         _interruptions.append(number)
-        raise KeyboardInterrupt
+        if os.getpid() == main_process:
+            raise KeyboardInterrupt
+        # A forked data-loader worker inherits this handler and, in the terminal's process group, gets the same
+        # Ctrl-C: it carries on until its main process, interrupted, stops it.
 
     def on_unraisable(report):
         # The dropped KeyboardInterrupt of a Ctrl-C is raised again by raise_if_interrupted: no traceback for it.
         if not (_interruptions and issubclass(report.exc_type, KeyboardInterrupt)):
             previous_unraisable(report)
 
+    def on_uncaught(*exc_info):
+        # After a Ctrl-C, what it broke is no bug to report: e.g. a worker's thread handing a batch to its main
+        # process, which the Ctrl-C interrupted, reports the closed connection through sys.excepthook.
+        if not _interruptions:
+            previous_excepthook(*exc_info)
+
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, on_interrupt) if in_main_thread else None
     previous_unraisable, sys.unraisablehook = sys.unraisablehook, on_unraisable
+    previous_excepthook, sys.excepthook = sys.excepthook, on_uncaught
     try:
         command(argv, progress)
         raise_if_interrupted()
@@ -108,7 +114,7 @@ def run(command, argv=None):
         return EXIT_BAD_INPUT
     finally:
         _interruptions.clear()
-        sys.unraisablehook = previous_unraisable
+        sys.unraisablehook, sys.excepthook = previous_unraisable, previous_excepthook
         if in_main_thread:
             signal.signal(signal.SIGINT, previous)
     return 0

@@ -3,6 +3,7 @@
 
 import os
 import signal
+import sys
 
 from convert.cli import EXIT_INTERRUPTED, run
 
@@ -26,15 +27,18 @@ def test_a_ctrl_c_that_python_drops_still_ends_the_command_in_one_line(capsys):
     assert capsys.readouterr().err.splitlines() == ["interrupted: OUT holds checkpoint-2"]
 
 
-def test_forked_workers_carry_on_through_the_ctrl_c_their_main_process_handles():
+def test_forked_workers_carry_on_through_the_ctrl_c_their_main_process_handles(capfd):
     """A terminal's Ctrl-C also reaches the data-loader workers the command forked: they inherit the handler and
-    must not print a traceback of their own (their main process stops them)."""
+    must not print a traceback of their own (their main process stops them), not even for the connection to
+    their interrupted main process that a worker's thread then finds closed."""
 
     def command(argv, progress):
         child = os.fork()
         if child == 0:
             try:
                 signal.raise_signal(signal.SIGINT)
+                error = ConnectionResetError("the main process closed the connection")
+                sys.excepthook(type(error), error, None)
             except KeyboardInterrupt:
                 os._exit(1)
             os._exit(0)
@@ -42,3 +46,4 @@ def test_forked_workers_carry_on_through_the_ctrl_c_their_main_process_handles()
         assert os.waitstatus_to_exitcode(status) == 0
 
     assert run(command, []) == 0
+    assert capfd.readouterr().err == ""

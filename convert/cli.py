@@ -89,9 +89,9 @@ def run(command, argv=None):
             previous_unraisable(report)
 
     def on_uncaught(*exc_info):
-        # After a Ctrl-C, what it broke is no bug to report: e.g. a worker's thread handing a batch to its main
-        # process, which the Ctrl-C interrupted, reports the closed connection through sys.excepthook.
-        if not _interruptions:
+        # In a forked worker after a Ctrl-C, what it broke is no bug to report: a worker's thread handing a batch to
+        # its main process, which the Ctrl-C interrupted, reports the closed connection through sys.excepthook.
+        if not (_interruptions and os.getpid() != main_process):
             previous_excepthook(*exc_info)
 
     in_main_thread = threading.current_thread() is threading.main_thread()

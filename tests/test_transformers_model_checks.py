@@ -296,10 +296,13 @@ TRAINED_HEADS = [FAT5ForConditionalGeneration, fat5.FAT5ForTokenClassification, 
 
 
 @pytest.mark.parametrize("model_class", TRAINED_HEADS, **by_name)
-def test_gradient_accumulation_in_the_trainer_gives_the_step_of_the_whole_batch(model_class, tmp_path):
+def test_gradient_accumulation_in_the_trainer_gives_the_step_of_the_whole_batch(model_class, tmp_path, monkeypatch):
     """One SGD step over 4 examples, taken at once or accumulated over 2 micro-batches, moves every weight alike.
     The token head's examples hold 6, 4, 2 and 1 labelled tokens, so every split into two micro-batches is ragged
     and only a loss that weighs every token alike passes."""
+    # transformers 4.57's TrainingArguments(bf16=True) of an earlier test leaves ACCELERATE_MIXED_PRECISION=bf16 in
+    # this process's environment, which every later Trainer obeys.
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     inputs = labelled_inputs(build(model_class))
     examples = [{name: tensor[row] for name, tensor in inputs.items()} for row in (0, 1, 0, 1)]
     if model_class is fat5.FAT5ForTokenClassification:

@@ -46,6 +46,18 @@ def inputs_for(model_class):
     return inputs
 
 
+def generate_inputs():
+    """The encoder inputs of `inputs_for`, as generate takes them."""
+    inputs = inputs_for(FAT5ForConditionalGeneration)
+    inputs.pop("decoder_input_ids")
+    return inputs
+
+
+def close(actual, expected, relative=1e-5):
+    """Equal up to `relative` times the largest magnitude compared (fp32 sums in another order)."""
+    return torch.allclose(actual, expected, rtol=0, atol=relative * expected.abs().max().item())
+
+
 def run(model, **kwargs):
     with torch.no_grad():
         return model(**inputs_for(type(model)), **kwargs)

@@ -26,6 +26,8 @@ from t5_twins import (
     TRANSFORMERS_5,
     VOCAB,
     build,
+    close,
+    generate_inputs,
     inputs_for,
     needs_transformers_5,
     run,
@@ -200,8 +202,7 @@ def test_generate_compiles_the_decode_step_through_transformers():
     with fullgraph=True (any graph break is an error) without Inductor's slow C++ build."""
     torch._dynamo.reset()
     model = build(FAT5ForConditionalGeneration)
-    inputs = inputs_for(FAT5ForConditionalGeneration)
-    inputs.pop("decoder_input_ids")
+    inputs = generate_inputs()
     arguments = dict(max_new_tokens=4, do_sample=False, min_new_tokens=4)
     dynamic = model.generate(**inputs, **arguments)
     compile_config = CompileConfig(fullgraph=True, dynamic=False, backend="eager")
@@ -288,14 +289,14 @@ def test_encoder_exports_with_strict_torch_export():
     encoder, inputs, expected = encoder_and_inputs()
     program = torch.export.export(encoder, (), kwargs=inputs, strict=True)
     output = program.module()(**inputs)
-    assert torch.allclose(output.last_hidden_state, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+    assert close(output.last_hidden_state, expected)
 
 
 def test_encoder_traces_with_torch_jit():
     encoder, inputs, expected = encoder_and_inputs()
     traced = torch.jit.trace(encoder, example_kwarg_inputs=inputs, strict=False)
     output = traced(**inputs)
-    assert torch.allclose(output["last_hidden_state"], expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+    assert close(output["last_hidden_state"], expected)
 
 
 def test_encoder_exports_to_onnx_with_the_torchscript_exporter(tmp_path):
@@ -309,7 +310,7 @@ def test_encoder_exports_to_onnx_with_the_torchscript_exporter(tmp_path):
                       dynamic_axes={"input_ids": axes, "attention_mask": axes})
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (output,) = session.run(None, {name: tensor.numpy() for name, tensor in inputs.items()})
-    assert torch.allclose(torch.from_numpy(output), expected, rtol=0, atol=1e-4 * expected.abs().max().item())
+    assert close(torch.from_numpy(output), expected, relative=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -374,7 +375,7 @@ def test_sentence_transformers_embeds_with_a_saved_encoder(seq2seq_folder, tmp_p
     mask = batch["attention_mask"].unsqueeze(-1).float()
     expected = (hidden * mask).sum(1) / mask.sum(1)
     embeddings = torch.tensor(result["embeddings"])
-    assert torch.allclose(embeddings, expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+    assert close(embeddings, expected)
 
 
 def targeted_modules(model, peft_config):
@@ -398,8 +399,7 @@ def test_peft_methods_work_without_target_modules_as_for_t5(method):
 
 def generate_structure(model, **arguments):
     """Shapes of what generate returns with every output flag on: {field: per-step / per-layer shapes}."""
-    inputs = inputs_for(FAT5ForConditionalGeneration)
-    inputs.pop("decoder_input_ids")
+    inputs = generate_inputs()
     output = model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, return_dict_in_generate=True,
                             output_scores=True, output_logits=True, output_attentions=True,
                             output_hidden_states=True, **arguments)
@@ -427,8 +427,7 @@ def test_generate_returns_what_t5_returns(arguments):
 @needs_transformers_5
 def test_generate_from_inputs_embeds_and_with_an_assistant_gives_the_greedy_tokens():
     model = build(FAT5ForConditionalGeneration)
-    inputs = inputs_for(FAT5ForConditionalGeneration)
-    inputs.pop("decoder_input_ids")
+    inputs = generate_inputs()
     arguments = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False}
     greedy = model.generate(**inputs, **arguments)
     embeds = model.get_input_embeddings()(inputs["input_ids"])

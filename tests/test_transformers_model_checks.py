@@ -19,6 +19,8 @@ from t5_twins import (
     T5_OF,
     VOCAB,
     build,
+    close,
+    generate_inputs,
     inputs_for,
     needs_transformers_5,
     run,
@@ -33,22 +35,16 @@ def first_tensor(output):
     return next(value for value in output.to_tuple() if isinstance(value, torch.Tensor) and value.dim() > 1)
 
 
-def close(actual, expected, relative=1e-5):
-    """Equal up to `relative` times the largest magnitude compared (fp32 sums in another order)."""
-    return torch.allclose(actual, expected, rtol=0, atol=relative * expected.abs().max().item())
-
-
-def labelled_inputs(model):
+def labelled_inputs(model_class):
     """Inputs with the labels of each head, so every class returns a loss."""
-    inputs = inputs_for(type(model))
-    batch, length = inputs["input_ids"].shape
-    if isinstance(model, FAT5ForConditionalGeneration):
+    inputs = inputs_for(model_class)
+    if model_class is FAT5ForConditionalGeneration:
         inputs["labels"] = inputs.pop("decoder_input_ids")
-    elif isinstance(model, fat5.FAT5ForTokenClassification):
+    elif model_class is fat5.FAT5ForTokenClassification:
         inputs["labels"] = torch.tensor([[0, 1, 2, 1, 0, 2], [2, 1, 0, 1, -100, -100]])
-    elif isinstance(model, fat5.FAT5ForSequenceClassification):
+    elif model_class is fat5.FAT5ForSequenceClassification:
         inputs["labels"] = torch.tensor([0, 2])
-    elif isinstance(model, fat5.FAT5ForQuestionAnswering):
+    elif model_class is fat5.FAT5ForQuestionAnswering:
         inputs["start_positions"], inputs["end_positions"] = torch.tensor([1, 0]), torch.tensor([3, 2])
     return inputs
 
@@ -136,7 +132,7 @@ def test_encoder_only_classes_say_so_in_their_config_as_t5s_do(model_class):
 
 def test_labels_alone_give_the_loss_of_labels_with_their_shifted_decoder_inputs():
     model = build(FAT5ForConditionalGeneration)
-    inputs = labelled_inputs(model)
+    inputs = labelled_inputs(type(model))
     with torch.no_grad():
         from_labels = model(**inputs).loss
         shifted = model(**inputs, decoder_input_ids=model._shift_right(inputs["labels"])).loss
@@ -270,7 +266,7 @@ def gradients(model, inputs):
 @pytest.mark.parametrize("model_class", FAT5_CLASSES, **by_name)
 def test_a_training_step_reaches_every_parameter_and_checkpointing_changes_no_gradient(model_class):
     model = build(model_class).train()
-    inputs = labelled_inputs(model)
+    inputs = labelled_inputs(type(model))
     plain = gradients(model, inputs)
     # (A QA head's biases get zero gradient in exact arithmetic: softmax gradients sum to zero over positions.)
     assert all(grad is not None for grad in plain.values())
@@ -303,7 +299,7 @@ def test_gradient_accumulation_in_the_trainer_gives_the_step_of_the_whole_batch(
     # transformers 4.57's TrainingArguments(bf16=True) of an earlier test leaves ACCELERATE_MIXED_PRECISION=bf16 in
     # this process's environment, which every later Trainer obeys.
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
-    inputs = labelled_inputs(build(model_class))
+    inputs = labelled_inputs(model_class)
     examples = [{name: tensor[row] for name, tensor in inputs.items()} for row in (0, 1, 0, 1)]
     if model_class is fat5.FAT5ForTokenClassification:
         for example, labelled in zip(examples, (6, 4, 2, 1)):
@@ -338,7 +334,7 @@ def test_a_frozen_model_with_input_gradients_trains_an_adapter_through_checkpoin
     adapter.requires_grad_(True)
     model.enable_input_require_grads()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    loss_of(model(**labelled_inputs(model))).backward()
+    loss_of(model(**labelled_inputs(type(model)))).backward()
     assert adapter.grad is not None and adapter.grad.abs().sum() > 0
 
 
@@ -348,12 +344,6 @@ def test_a_frozen_model_with_input_gradients_trains_an_adapter_through_checkpoin
 # transformers 5.23's T5 cannot generate when its decoder is deeper than its encoder (FAT5 can; see
 # test_generation_cache.py), so generation compared with T5 uses equal depths.
 EQUAL_DEPTHS = {"num_decoder_layers": SHAPES["num_layers"]}
-
-
-def generate_inputs():
-    inputs = inputs_for(FAT5ForConditionalGeneration)
-    inputs.pop("decoder_input_ids")
-    return inputs
 
 
 def test_generation_continues_from_a_returned_cache_with_the_tokens_of_one_call():
@@ -378,7 +368,7 @@ def test_generation_without_inputs_or_pad_token_starts_from_the_decoder_start_to
 def test_training_from_labels_without_a_pad_token_says_what_is_missing():
     model = build(FAT5ForConditionalGeneration, pad_token_id=None)
     with pytest.raises(ValueError, match="^FAT5Config.pad_token_id is null"):
-        model(**labelled_inputs(model))
+        model(**labelled_inputs(type(model)))
 
 
 def test_prompt_lookup_and_beam_sampling_generate_as_in_t5():

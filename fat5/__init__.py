@@ -1,7 +1,8 @@
 """FAT5: T5-family models with the relative position bias computed inside a flash-attention kernel.
 
 Importing this package registers FAT5 with transformers' Auto classes, so a converted folder loads without
-`trust_remote_code` in a process that has FAT5 installed (with it, the folder's own copy of the code is used).
+`trust_remote_code` in a process that has FAT5 installed. With `trust_remote_code=True`, transformers 5 still
+prefers these registered classes; 4.57 loads the folder's own copy of the code.
 """
 
 from transformers import (

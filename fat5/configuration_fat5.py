@@ -5,6 +5,8 @@ import math
 
 from transformers import PretrainedConfig
 
+from .compat_fat5 import CACHE_NAME, warn_if_untested
+
 POSITION_ENCODING_TYPES = ("t5", "rope", "alibi", "fire", "none")
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "triton")
 LM_LOSS_IMPLEMENTATIONS = ("chunked", "liger")
@@ -98,7 +100,8 @@ class FAT5Config(PretrainedConfig):
     """
 
     model_type = "fat5"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    # Output fields the Trainer leaves out of evaluation predictions (the cache, under the installed name).
+    keys_to_ignore_at_inference = [CACHE_NAME]
     attribute_map = {
         "hidden_size": "d_model",
         "num_attention_heads": "num_heads",
@@ -189,6 +192,7 @@ class FAT5Config(PretrainedConfig):
         # transformers 4.x reads the tie flag from the config object, 5.x from the init kwarg; set both.
         self.tie_word_embeddings = tie_word_embeddings
         self._validate_fat5()
+        warn_if_untested()
 
     def __setattr__(self, key, value):
         # Checked on every assignment, so `from_pretrained(..., dropout_rate=...)` (which sets attributes after

@@ -37,6 +37,14 @@ from .attention_fat5 import (
     segment_positions,
     triton_installed,
 )
+from .compat_fat5 import (
+    HAS_GENERIC_GET_ENCODER,
+    cache_field,
+    init,
+    output_cache,
+    static_cache_max_length,
+    takes_cache_by_either_name,
+)
 from .configuration_fat5 import FAT5Config
 from .loss_fat5 import linear_cross_entropy, seq2seq_lm_loss
 from .peft_fat5 import register_fat5_with_peft
@@ -47,11 +55,6 @@ if TYPE_CHECKING:
     # Never run: only the seam imports the attention kernel. Loading a checkpoint *folder*, transformers 4.x copies
     # only the files this entry module imports relatively (not what those import), so it must read the kernel here.
     from .kernels.flash_attention_t5 import flash_attention_t5  # noqa: F401
-
-try:
-    from transformers import initialization as init  # transformers 5: skips tensors loaded from a checkpoint
-except ImportError:  # transformers 4.x only initialises modules whose weights are missing
-    from torch.nn import init
 
 register_fat5_with_peft(FAT5Config.model_type)
 
@@ -211,13 +214,13 @@ class FAT5Attention(nn.Module):
         return linear(states).view(batch, length, self.n_heads, self.key_value_proj_dim).transpose(1, 2)
 
     def forward(self, hidden_states, key_value_states=None, key_padding_mask=None, position=None,
-                past_key_values=None, bias_table=None, output_attentions=False):
+                cache=None, bias_table=None, output_attentions=False):
         """`position`: the stack's PositionInputs (None: no position parameters). `bias_table`: the T5 relative-bias
         table this layer uses (its own when None). Returns (output, weights), weights None unless output_attentions."""
         position = PositionInputs() if position is None else position
         query = self._project(self.q, hidden_states)
         if self.is_cross_attention:
-            key, value = self._encoder_key_value(key_value_states, past_key_values)
+            key, value = self._encoder_key_value(key_value_states, cache)
             # Encoder positions are not comparable with decoder positions: no position encoding here.
             bias_table = alibi = dense_bias = None
             q_offset, segments = 0, position.cross_segments
@@ -227,9 +230,9 @@ class FAT5Attention(nn.Module):
             if position.rotary is not None:
                 cos, sin = position.rotary
                 query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
-            if past_key_values is not None:
+            if cache is not None:
                 # cache_position tells transformers 4.x's static cache where to write (5.x counts itself).
-                key, value = past_key_values.self_attention_cache.update(
+                key, value = cache.self_attention_cache.update(
                     key, value, self.layer_idx, cache_kwargs={"cache_position": position.cache_position})
             if bias_table is None and hasattr(self, "relative_attention_bias"):
                 bias_table = self.relative_attention_bias.weight  # called on its own, outside FAT5Block
@@ -250,16 +253,16 @@ class FAT5Attention(nn.Module):
         attn_output = self.o(attn_output.transpose(1, 2).reshape(batch, length, self.inner_dim))
         return attn_output, attn_weights
 
-    def _encoder_key_value(self, encoder_hidden_states, past_key_values):
-        cache = past_key_values.cross_attention_cache if past_key_values is not None else None
-        if past_key_values is not None and past_key_values.is_updated.get(self.layer_idx):
+    def _encoder_key_value(self, encoder_hidden_states, cache):
+        cross_cache = cache.cross_attention_cache if cache is not None else None
+        if cache is not None and cache.is_updated.get(self.layer_idx):
             # Encoder keys/values do not change while decoding: reuse them.
-            return cache.layers[self.layer_idx].keys, cache.layers[self.layer_idx].values
+            return cross_cache.layers[self.layer_idx].keys, cross_cache.layers[self.layer_idx].values
         key = self._project(self.k, encoder_hidden_states)
         value = self._project(self.v, encoder_hidden_states)
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
-            past_key_values.is_updated[self.layer_idx] = True
+        if cross_cache is not None:
+            key, value = cross_cache.update(key, value, self.layer_idx)
+            cache.is_updated[self.layer_idx] = True
         return key, value
 
 
@@ -272,11 +275,11 @@ class FAT5LayerSelfAttention(nn.Module):
         self.layer_norm = FAT5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = nn.Dropout(config.dropout_rate)
 
-    def forward(self, hidden_states, key_padding_mask, position, past_key_values, bias_table=None,
+    def forward(self, hidden_states, key_padding_mask, position, cache, bias_table=None,
                 output_attentions=False):
         attention_output, attention_weights = self.SelfAttention(
             self.layer_norm(hidden_states), key_padding_mask=key_padding_mask, position=position,
-            past_key_values=past_key_values, bias_table=bias_table, output_attentions=output_attentions)
+            cache=cache, bias_table=bias_table, output_attentions=output_attentions)
         return hidden_states + self.dropout(attention_output), attention_weights
 
 
@@ -287,11 +290,11 @@ class FAT5LayerCrossAttention(nn.Module):
         self.layer_norm = FAT5LayerNorm(config.d_model, eps=config.layer_norm_epsilon)
         self.dropout = nn.Dropout(config.dropout_rate)
 
-    def forward(self, hidden_states, encoder_hidden_states, encoder_key_padding_mask, past_key_values,
+    def forward(self, hidden_states, encoder_hidden_states, encoder_key_padding_mask, cache,
                 position=None, output_attentions=False):
         attention_output, attention_weights = self.EncDecAttention(
             self.layer_norm(hidden_states), key_value_states=encoder_hidden_states,
-            key_padding_mask=encoder_key_padding_mask, position=position, past_key_values=past_key_values,
+            key_padding_mask=encoder_key_padding_mask, position=position, cache=cache,
             output_attentions=output_attentions)
         return hidden_states + self.dropout(attention_output), attention_weights
 
@@ -307,7 +310,7 @@ class FAT5Block(GradientCheckpointingLayer):
         self.layer.append(FAT5LayerFF(config))
 
     def forward(self, hidden_states, key_padding_mask=None, encoder_hidden_states=None,
-                encoder_key_padding_mask=None, position=None, past_key_values=None, bias_table=None,
+                encoder_key_padding_mask=None, position=None, cache=None, bias_table=None,
                 output_attentions=False):
         """Returns (hidden states, self-attention weights, cross-attention weights, shared bias table): weights
         None unless output_attentions, the table None unless this block owns a table the later blocks share.
@@ -321,11 +324,11 @@ class FAT5Block(GradientCheckpointingLayer):
             buckets = torch.arange(attention.config.relative_attention_num_buckets, device=hidden_states.device)
             bias_table = own_table = attention.relative_attention_bias(buckets)
         hidden_states, self_attention_weights = self.layer[0](hidden_states, key_padding_mask, position,
-                                                              past_key_values, bias_table, output_attentions)
+                                                              cache, bias_table, output_attentions)
         cross_attention_weights = None
         if self.is_decoder and encoder_hidden_states is not None:
             hidden_states, cross_attention_weights = self.layer[1](
-                hidden_states, encoder_hidden_states, encoder_key_padding_mask, past_key_values, position,
+                hidden_states, encoder_hidden_states, encoder_key_padding_mask, cache, position,
                 output_attentions)
         hidden_states = self.layer[-1](hidden_states)
         # A table that serves every layer of the stack leaves the block as an output, so sharding engines
@@ -334,14 +337,12 @@ class FAT5Block(GradientCheckpointingLayer):
         return hidden_states, self_attention_weights, cross_attention_weights, shared_table
 
 
-def _static_cache_length(past_key_values):
+def _static_cache_length(cache):
     """Length of the keys a static (compileable) self-attention cache returns (all its slots), else None."""
-    cache = getattr(past_key_values, "self_attention_cache", None)
-    if cache is None or not getattr(cache, "is_compileable", False):
+    self_attention_cache = getattr(cache, "self_attention_cache", None)
+    if self_attention_cache is None or not getattr(self_attention_cache, "is_compileable", False):
         return None
-    # transformers 5 names it get_max_length, 4.x get_max_cache_shape.
-    max_length = getattr(cache, "get_max_length", None) or cache.get_max_cache_shape
-    return max_length()
+    return static_cache_max_length(self_attention_cache)
 
 
 def _key_mask_from_causal_mask(mask):
@@ -567,8 +568,9 @@ class FAT5Stack(FAT5PreTrainedModel):
                               alibi_slopes=slopes, position_bias=dense_bias, rotary=rotary, segments=segments,
                               cross_segments=cross_segments)
 
+    @takes_cache_by_either_name
     def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
-                inputs_embeds=None, past_key_values=None, use_cache=None, output_hidden_states=None,
+                inputs_embeds=None, cache=None, use_cache=None, output_hidden_states=None,
                 output_attentions=None, return_dict=None, segment_ids=None, encoder_segment_ids=None, **kwargs):
         """Arguments left as None take the config's values (`output_attentions`, `output_hidden_states`,
         `return_dict`, and for the decoder `use_cache`), as transformers' T5 stacks do."""
@@ -590,14 +592,14 @@ class FAT5Stack(FAT5PreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         batch, length = inputs_embeds.shape[:2]
         if not self.is_decoder:
-            past_key_values = None
-        elif use_cache and past_key_values is None:
-            past_key_values = EncoderDecoderCache(DynamicCache(), DynamicCache())
-        q_offset = past_key_values.get_seq_length() if past_key_values is not None else 0
+            cache = None
+        elif use_cache and cache is None:
+            cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        q_offset = cache.get_seq_length() if cache is not None else 0
         if isinstance(q_offset, torch.Tensor):
             # A static cache's own counter, which its update() advances in place during this forward.
             q_offset = q_offset.clone()
-        static_length = _static_cache_length(past_key_values)
+        static_length = _static_cache_length(cache)
         key_length = q_offset + length if static_length is None else static_length
         if attention_mask is not None and attention_mask.dim() == 4 and self.is_decoder:
             attention_mask = _key_mask_from_causal_mask(attention_mask)
@@ -632,7 +634,7 @@ class FAT5Stack(FAT5PreTrainedModel):
                 all_hidden_states += (hidden_states,)
             hidden_states, self_attention_weights, cross_attention_weights, shared_table = block(
                 hidden_states, key_padding_mask, encoder_hidden_states, encoder_key_padding_mask, position,
-                past_key_values, bias_table, output_attentions)
+                cache, bias_table, output_attentions)
             if shared_table is not None:
                 bias_table = shared_table
             if output_attentions:
@@ -643,7 +645,7 @@ class FAT5Stack(FAT5PreTrainedModel):
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
         output = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states,
-                                                           past_key_values=past_key_values,
+                                                           **cache_field(cache),
                                                            hidden_states=all_hidden_states,
                                                            attentions=all_attentions,
                                                            cross_attentions=all_cross_attentions)
@@ -683,11 +685,6 @@ def share_embedding(model, config, stack_names):
     model.register_load_state_dict_pre_hook(_fill_embedding_aliases)
 
 
-# transformers 4.x has no generic `PreTrainedModel.get_encoder` (each T5 class defines its own); generate and optimum's
-# ONNX exporter call it. On 5.x transformers' own is used (it also takes `modality`).
-HAS_GENERIC_GET_ENCODER = hasattr(PreTrainedModel, "get_encoder")
-
-
 def get_own_encoder(self):
     return self.encoder
 
@@ -710,7 +707,7 @@ class FAT5EncoderDecoderMixin:
         self.decoder.set_input_embeddings(new_embeddings)
 
     def _encode_and_decode(self, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask,
-                           encoder_outputs, past_key_values, inputs_embeds, decoder_inputs_embeds, use_cache,
+                           encoder_outputs, cache, inputs_embeds, decoder_inputs_embeds, use_cache,
                            output_hidden_states, output_attentions=None, segment_ids=None, decoder_segment_ids=None):
         if encoder_outputs is None:
             encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask,
@@ -722,7 +719,7 @@ class FAT5EncoderDecoderMixin:
         if use_cache is None:
             use_cache = self.config.use_cache and not self.training
         decoder_outputs = self.decoder(input_ids=decoder_input_ids, attention_mask=decoder_attention_mask,
-                                       inputs_embeds=decoder_inputs_embeds, past_key_values=past_key_values,
+                                       inputs_embeds=decoder_inputs_embeds, cache=cache,
                                        encoder_hidden_states=encoder_outputs.last_hidden_state,
                                        encoder_attention_mask=attention_mask, use_cache=use_cache,
                                        output_hidden_states=output_hidden_states,
@@ -737,17 +734,18 @@ class FAT5Model(FAT5EncoderDecoderMixin, FAT5PreTrainedModel):
         self._build_encoder_decoder(config)
         self.post_init()
 
+    @takes_cache_by_either_name
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
-                encoder_outputs=None, past_key_values=None, inputs_embeds=None, decoder_inputs_embeds=None,
+                encoder_outputs=None, cache=None, inputs_embeds=None, decoder_inputs_embeds=None,
                 use_cache=None, output_hidden_states=None, return_dict=None, output_attentions=None, segment_ids=None,
                 decoder_segment_ids=None, **kwargs):
         encoder_outputs, decoder_outputs = self._encode_and_decode(
-            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, past_key_values,
+            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, cache,
             inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states, output_attentions=output_attentions,
             segment_ids=segment_ids, decoder_segment_ids=decoder_segment_ids)
         return self._output(Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
-            past_key_values=decoder_outputs.past_key_values,
+            **cache_field(output_cache(decoder_outputs)),
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
@@ -773,8 +771,9 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
+    @takes_cache_by_either_name
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
-                encoder_outputs=None, past_key_values=None, inputs_embeds=None, decoder_inputs_embeds=None,
+                encoder_outputs=None, cache=None, inputs_embeds=None, decoder_inputs_embeds=None,
                 labels=None, use_cache=None, output_hidden_states=None, return_dict=None, num_items_in_batch=None,
                 output_attentions=None, segment_ids=None, decoder_segment_ids=None, **kwargs):
         """Packed batches (several examples per row, see `fat5.training.packing`) pass `segment_ids` (B, L_enc)
@@ -785,7 +784,7 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self._shift_right(labels, decoder_segment_ids)
         encoder_outputs, decoder_outputs = self._encode_and_decode(
-            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, past_key_values,
+            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, cache,
             inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states, output_attentions=output_attentions,
             segment_ids=segment_ids, decoder_segment_ids=decoder_segment_ids)
         sequence_output = decoder_outputs.last_hidden_state
@@ -805,7 +804,7 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
         return self._output(Seq2SeqLMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=decoder_outputs.past_key_values,
+            **cache_field(output_cache(decoder_outputs)),
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,

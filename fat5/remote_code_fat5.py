@@ -99,13 +99,18 @@ def write_remote_code(folder):
 
 
 def mark_as_package(config, encoder_only=False):
-    """Set the config fields that make a saved folder load through the Auto classes and the pipeline.
+    """Set the config fields that make a saved folder load through the Auto classes and the pipeline, and record
+    the transformers releases its code was tested with.
     `encoder_only`: the folder holds no decoder weights (an encoder-only class saved it), so its base model,
     `AutoModel` (what sentence-transformers loads), is the encoder."""
+    from .compat_fat5 import TESTED_TRANSFORMERS
+
     config.auto_map = dict(AUTO_MAP)
     if encoder_only:
         config.auto_map["AutoModel"] = AUTO_MAP["AutoModelForTextEncoding"]
     config.custom_pipelines = custom_pipelines_entry()
+    # The transformers releases the code written beside this config was tested with (it warns under others).
+    config.tested_transformers = list(TESTED_TRANSFORMERS)
 
 
 # -- atomic saves ----------------------------------------------------------------------------------------------------
@@ -272,7 +277,9 @@ class StagedFolder:
     ``with StagedFolder(target) as staging: write into staging.path; staging.commit(keep=...)``: leaving the
     block without a commit (an error, Ctrl-C) removes the staging folder and leaves `target` as it was.
     `keep(name)` says which entries of an existing target the new folder keeps (among those it does not write
-    itself); None keeps nothing, so the new folder replaces the old one whole. Permissions follow the umask."""
+    itself); None keeps nothing, so the new folder replaces the old one whole. `check(path)`, when given, is called
+    on the complete staged folder just before it goes in place: raising there leaves `target` as it was.
+    Permissions follow the umask."""
 
     def __init__(self, target):
         # A symlinked target is saved where it points: the link stays, the folder behind it is replaced.
@@ -288,7 +295,7 @@ class StagedFolder:
         self._lock = _lock(self.path)
         return self
 
-    def commit(self, keep=None):
+    def commit(self, keep=None, check=None):
         apply_umask(self.path)
         if self.target.is_dir() and not self.target.is_symlink() and keep is not None:
             written = {entry.name for entry in self.path.iterdir()}
@@ -296,6 +303,8 @@ class StagedFolder:
                 if entry.name not in written and keep(entry.name):
                     _link_tree(entry, self.path / entry.name)
             shutil.copystat(self.target, self.path)
+        if check is not None:
+            check(self.path)
         # Then self.path holds the old folder (or nothing), which __exit__ removes.
         self.path = put_in_place(self.path, self.target)
 

@@ -9,6 +9,7 @@ from transformers import Trainer, TrainingArguments
 
 from conftest import tiny_config
 from fat5.attention_fat5 import sdpa_attention, segment_positions
+from fat5.compat_fat5 import cache_field, output_cache
 from fat5.modeling_fat5 import (
     FAT5EncoderModel,
     FAT5ForConditionalGeneration,
@@ -221,7 +222,7 @@ def test_bad_segment_ids_get_one_clear_error():
             output = model(**batch, use_cache=True)
             step = {k: v[:, -1:] if k.startswith("decoder_") else v for k, v in batch.items()
                     if k not in ("labels", "decoder_attention_mask")}
-            model(**step, past_key_values=output.past_key_values)
+            model(**step, **cache_field(output_cache(output)))
     classifier = FAT5ForSequenceClassification(model.config)
     with pytest.raises(ValueError, match="packed batches \\(segment_ids\\) are not supported"):
         classifier(input_ids=batch["input_ids"], segment_ids=batch["segment_ids"])

@@ -19,6 +19,7 @@ from transformers import (
 
 import fat5
 from fat5 import FAT5ForConditionalGeneration
+from fat5.compat_fat5 import CACHE_NAME, output_cache
 from t5_twins import (
     EAGER,
     SHAPES,
@@ -81,10 +82,10 @@ def test_stacks_called_alone_fall_back_to_the_config_as_in_t5(stack_name, config
         with torch.no_grad():
             outputs[model_class] = field_lengths(stack(input_ids=ids, **arguments))
     # FAT5's decoder caches one layer list per attention kind, T5's cache reports its own length: compare presence.
-    ours, t5 = ({name: value for name, value in fields.items() if name != "past_key_values"}
+    ours, t5 = ({name: value for name, value in fields.items() if name != CACHE_NAME}
                 for fields in outputs.values())
     assert ours == t5
-    assert ("past_key_values" in outputs[fat5.FAT5Model]) == ("past_key_values" in outputs[T5Model])
+    assert (CACHE_NAME in outputs[fat5.FAT5Model]) == (CACHE_NAME in outputs[T5Model])
 
 
 @pytest.mark.parametrize("use_cache, argument, expected", [(True, None, True), (False, None, False),
@@ -95,7 +96,7 @@ def test_decoder_stack_alone_caches_as_t5(use_cache, argument, expected):
         decoder = build(model_class, use_cache=use_cache).get_decoder()
         with torch.no_grad():
             output = decoder(input_ids=ids, use_cache=argument)
-        assert (output.past_key_values is not None) == expected, model_class.__name__
+        assert (output_cache(output) is not None) == expected, model_class.__name__
 
 
 @pytest.mark.parametrize("model_class", list(T5_OF), ids=lambda cls: cls.__name__)
@@ -411,7 +412,7 @@ def generate_structure(model, **arguments):
             return [shapes(item) for item in value]
         return type(value).__name__
 
-    return {name: shapes(value) for name, value in output.items() if name != "past_key_values"}
+    return {name: shapes(value) for name, value in output.items() if name != CACHE_NAME}
 
 
 @pytest.mark.parametrize("arguments", [{"do_sample": False}, {"do_sample": True, "num_return_sequences": 2},

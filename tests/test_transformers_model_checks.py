@@ -11,6 +11,7 @@ from transformers import T5Config, T5ForConditionalGeneration, T5ForTokenClassif
 
 import fat5
 from fat5 import FAT5Config, FAT5ForConditionalGeneration
+from fat5.compat_fat5 import cache_field, output_cache
 from t5_twins import (
     EAGER,
     ENCODER_DECODER,
@@ -352,7 +353,7 @@ def test_generation_continues_from_a_returned_cache_with_the_tokens_of_one_call(
     arguments = {"do_sample": False, "return_dict_in_generate": True}
     whole = model.generate(**inputs, max_new_tokens=5, min_new_tokens=5, **arguments)
     first = model.generate(**inputs, max_new_tokens=2, min_new_tokens=2, **arguments)
-    continued = model.generate(**inputs, decoder_input_ids=first.sequences, past_key_values=first.past_key_values,
+    continued = model.generate(**inputs, decoder_input_ids=first.sequences, **cache_field(output_cache(first)),
                                max_new_tokens=3, min_new_tokens=3, **arguments)
     assert torch.equal(continued.sequences, whole.sequences)
 

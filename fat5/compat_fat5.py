@@ -1,0 +1,121 @@
+"""What FAT5 adapts to in the transformers it runs under, in one place.
+
+FAT5's code runs under whatever transformers its user has, long after it was written. Every difference between the
+releases it supports is bridged here, each detected by feature (an output field, a method, a module) rather than by
+version number, so a later release that keeps the feature keeps working. The releases FAT5 was checked against are
+`TESTED_TRANSFORMERS`; under any other, FAT5 says so once (`warn_if_untested`).
+
+Exported with the model code (it imports only transformers and the standard library).
+"""
+
+import dataclasses
+import functools
+import inspect
+import re
+
+import transformers
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import Seq2SeqLMOutput
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+# The transformers releases FAT5 is tested with: CI runs the drift check (tests/test_drift.py) on each and the whole
+# suite on the oldest and the newest. A later patch release of one of these series (5.24.1) counts as tested; any
+# other release does not. pyproject.toml admits exactly these (tests/test_drift.py checks it), and every exported
+# folder records them in config.json (`tested_transformers`) and in its model card.
+TESTED_TRANSFORMERS = ("4.57.6", "5.23.0", "5.24.0")
+
+# transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache` (the old name is
+# deprecated there). FAT5 returns the cache under the installed transformers' name, shows that name in its forward
+# signatures, and accepts either name as input on every release.
+CACHE_NAME = "cache" if "cache" in {field.name for field in dataclasses.fields(Seq2SeqLMOutput)} else "past_key_values"
+OTHER_CACHE_NAME = "past_key_values" if CACHE_NAME == "cache" else "cache"
+
+# transformers 5 initialises through `transformers.initialization`, which skips tensors loaded from a checkpoint;
+# 4.x initialises only modules whose weights are missing, with torch's functions.
+try:
+    from transformers import initialization as init
+except ImportError:
+    from torch.nn import init  # noqa: F401  (re-exported)
+
+# transformers 4.x has no generic `PreTrainedModel.get_encoder` (each T5 class defines its own); generate and
+# optimum's ONNX exporter call it. Where transformers has one, FAT5 uses it (5.x's also takes `modality`).
+HAS_GENERIC_GET_ENCODER = hasattr(PreTrainedModel, "get_encoder")
+
+
+def takes_cache_by_either_name(forward):
+    """Decorate a `forward(self, ..., cache=None, ...)`: its signature shows the cache argument under the installed
+    transformers' name (`CACHE_NAME`, in the position T5's forward has it), and a call may pass it under either
+    name. Passing both is an error, as in transformers."""
+    signature = inspect.signature(forward)
+    shown = signature.replace(parameters=[parameter.replace(name=CACHE_NAME) if parameter.name == "cache"
+                                          else parameter for parameter in signature.parameters.values()])
+
+    @functools.wraps(forward)
+    def with_either_cache_name(self, *args, **kwargs):
+        if "past_key_values" in kwargs:
+            legacy = kwargs.pop("past_key_values")
+            if legacy is not None and kwargs.get("cache") is not None:
+                raise ValueError("the cache was passed twice, as `cache` and as `past_key_values`: pass one")
+            if legacy is not None:
+                kwargs["cache"] = legacy
+        return forward(self, *args, **kwargs)
+
+    with_either_cache_name.__signature__ = shown
+    return with_either_cache_name
+
+
+def cache_field(cache):
+    """The keyword that puts `cache` into a transformers model output: `{CACHE_NAME: cache}`."""
+    return {CACHE_NAME: cache}
+
+
+def output_cache(output):
+    """The cache a transformers model output holds (None if none), read under the installed name (reading the
+    deprecated one warns on transformers 5.24)."""
+    return getattr(output, CACHE_NAME, None)
+
+
+def static_cache_max_length(cache):
+    """The number of key slots of a static (compileable) cache: transformers 5 names the method `get_max_length`,
+    4.x `get_max_cache_shape`."""
+    max_length = getattr(cache, "get_max_length", None) or cache.get_max_cache_shape
+    return max_length()
+
+
+# -- the tested range --------------------------------------------------------------------------------------------------
+
+def release(version):
+    """(major, minor, patch, is_final) of a version string: "5.24.0" -> (5, 24, 0, True), "5.25.0.dev0" ->
+    (5, 25, 0, False)."""
+    match = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?(.*)$", version)
+    if match is None:
+        return (0, 0, 0, False)
+    major, minor, patch, rest = match.groups()
+    final = rest == "" or bool(re.fullmatch(r"\.post\d+", rest))
+    return int(major), int(minor or 0), int(patch or 0), final
+
+
+def is_tested(version, tested=TESTED_TRANSFORMERS):
+    """Whether `version` is one of `tested` or a later final patch release of one of their series."""
+    major, minor, patch, final = release(version)
+    return final and any((major, minor) == release(known)[:2] and patch >= release(known)[2] for known in tested)
+
+
+def untested_message(version, tested=TESTED_TRANSFORMERS):
+    newest = release(tested[-1])
+    return (f"FAT5's code was tested with transformers {', '.join(tested)} (and their later patch releases), not with "
+            f"the installed {version}: check its outputs, or install a tested release "
+            f"(pip install 'transformers>={newest[0]}.{newest[1]},<{newest[0]}.{newest[1] + 1}')")
+
+
+_warned_untested = []
+
+
+def warn_if_untested(version=None):
+    """Under a transformers release FAT5 was not tested with, log one warning line naming both, once a process."""
+    version = transformers.__version__ if version is None else version
+    if not is_tested(version) and not _warned_untested:
+        _warned_untested.append(version)
+        logger.warning(untested_message(version))

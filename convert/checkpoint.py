@@ -18,23 +18,35 @@ import torch
 from safetensors import safe_open
 
 from convert.cli import CommandError, error_line
+from fat5.compat_fat5 import release
 from fat5.configuration_fat5 import FAT5Config
 from fat5.modeling_fat5 import FAT5ForConditionalGeneration
 
 SUPPORTED_MODEL_TYPES = ("t5", "mt5", "umt5")
 # What each family's config class assumes when config.json omits the key (transformers 4).
 TIE_WORD_EMBEDDINGS_DEFAULT = {"t5": True, "mt5": False, "umt5": True}
-# Whether transformers 5 scales the decoder output by d_model**-0.5 before the LM head, per model_type: its T5
-# records the choice as `scale_decoder_outputs`; its mT5 never scales; its umT5 scales whenever
-# `tie_word_embeddings`, which its config class forces to True.
-RESCALE_IN_TRANSFORMERS_5 = {"mt5": False, "umt5": True}
+# Whether the transformers release that wrote a checkpoint multiplies the decoder output by d_model**-0.5 before the
+# LM head (the weights were trained or fine-tuned with that choice), as one table: (model types, first writer
+# release, first release after, rule), the first matching row wins. Read off each release's T5, mT5 and umT5 code;
+# tests/test_convert_versions.py has a test per row. Rules:
+#   "tie"     scales exactly when `tie_word_embeddings` (the family's default when config.json omits it)
+#   "field"   scales as `scale_decoder_outputs` says (when absent: unless `tie_word_embeddings` is false)
+#   "never", "always"   whatever the config says (a `scale_decoder_outputs` that disagrees is refused)
+RESCALE_BY_WRITER = (
+    (("t5", "mt5", "umt5"), "0", "5.0", "tie"),  # transformers 4.x, or no version recorded
+    (("t5",), "5.0", None, "field"),  # T5Config records scale_decoder_outputs (tie_word_embeddings is forced true)
+    (("mt5",), "5.0", None, "never"),  # 5.x's mT5 has no rescale
+    (("umt5",), "5.0", "5.24", "always"),  # rescales when tie_word_embeddings, which 5.0-5.23 force to true
+    (("umt5",), "5.24", None, "field"),  # 5.24 records scale_decoder_outputs, as T5 does
+)
 # Both directions copy every field of the source config.json (T5's own, transformers' generic ones such as
 # `prefix`, `task_specific_params` or `id2label`, and any other key) except these, which the converter writes
-# itself: the target's identity and code, the stored dtype, the tying and decoder-output rescale (read from the
-# weights and the writing transformers version), and what T5 and FAT5 compute from other fields or set per stack.
+# itself: the target's identity and code (and the transformers releases FAT5's code was tested with), the stored
+# dtype, the tying and decoder-output rescale (read from the weights and the writing transformers version), and what
+# T5 and FAT5 compute from other fields or set per stack.
 DERIVED_FIELDS = ("model_type", "architectures", "transformers_version", "auto_map", "custom_pipelines",
                   "_name_or_path", "dtype", "torch_dtype", "is_encoder_decoder", "tie_word_embeddings",
-                  "scale_decoder_outputs", "dense_act_fn", "is_gated_act", "is_decoder")
+                  "scale_decoder_outputs", "dense_act_fn", "is_gated_act", "is_decoder", "tested_transformers")
 # FAT5 fields a transformers T5 ignores (training, the attention backend, other position encodings' parameters):
 # the way back carries those that differ from FAT5's defaults as extra keys, which transformers keeps.
 FAT5_SETTINGS = ("attention_dropout_rate", "attention_backend", "z_loss", "label_smoothing",
@@ -185,22 +197,33 @@ def read_json_object(path):
     return value
 
 
-def writer_is_transformers_5(source_config):
-    """Whether the checkpoint's config.json was written by transformers 5 (it records its version)."""
-    version = str(source_config.get("transformers_version", "4"))
-    return version.split(".")[0].isdigit() and int(version.split(".")[0]) >= 5
+def rescale_rule(model_type, writer_version):
+    """The RESCALE_BY_WRITER rule of `model_type` as transformers `writer_version` computes it."""
+    writer = release(writer_version)[:3]
+    for model_types, first, after, rule in RESCALE_BY_WRITER:
+        if model_type in model_types and release(first)[:3] <= writer and (after is None
+                                                                             or writer < release(after)[:3]):
+            return rule
+    raise ConversionError(f"no rescale rule for model_type {model_type!r} written by transformers {writer_version}")
 
 
 def scales_decoder_output(source_config):
-    """Whether the transformers version that wrote the checkpoint multiplies the decoder output by
-    d_model**-0.5 before the LM head: the weights were trained (or fine-tuned) with that choice."""
+    """Whether the transformers version that wrote the checkpoint (config.json's `transformers_version`; 4.x when
+    absent) multiplies the decoder output by d_model**-0.5 before the LM head (RESCALE_BY_WRITER)."""
     model_type = source_config["model_type"]
+    writer = str(source_config.get("transformers_version", "4"))
+    rule = rescale_rule(model_type, writer)
     tied = source_config.get("tie_word_embeddings", TIE_WORD_EMBEDDINGS_DEFAULT[model_type])
-    if not writer_is_transformers_5(source_config):
-        return bool(tied)  # transformers 4: every family scales exactly when the config ties the embeddings
-    if model_type == "t5":
-        return bool(source_config.get("scale_decoder_outputs", tied is not False))
-    return RESCALE_IN_TRANSFORMERS_5[model_type]
+    recorded = source_config.get("scale_decoder_outputs")
+    if rule == "field":
+        return bool(tied is not False if recorded is None else recorded)
+    scales = {"tie": bool(tied), "never": False, "always": True}[rule]
+    if recorded is not None and bool(recorded) != scales:
+        raise ConversionError(f"config.json says scale_decoder_outputs={recorded!r}, but the transformers {writer} "
+                              f"that wrote it ignores that field in {model_type} and "
+                              f"{'scales' if scales else 'does not scale'} the decoder output; remove the field, or "
+                              "correct transformers_version to the release the weights were trained with")
+    return scales
 
 
 def t5_computes(model_type):
@@ -270,7 +293,7 @@ def t5_config_from_fat5(fat5_config, model_type, tied):
     scale = config.scale_decoder_outputs
     fields.update(model_type=model_type, architectures=[ARCHITECTURES[model_type]], tie_word_embeddings=tied,
                   transformers_version=transformers.__version__, is_encoder_decoder=True)
-    if model_type == "t5":
+    if rescale_rule(model_type, transformers.__version__) == "field":
         fields["scale_decoder_outputs"] = scale
     if scales_decoder_output(fields) != scale:
         raise ConversionError(f"transformers {transformers.__version__}'s {model_type} cannot express this model: "

@@ -5,39 +5,23 @@ import json
 
 import pytest
 import torch
-import transformers
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
-from convert.checkpoint import convert_checkpoint, scales_decoder_output
+from convert.checkpoint import (
+    RESCALE_BY_WRITER,
+    ConversionError,
+    convert_checkpoint,
+    scales_decoder_output,
+)
 from convert.fat5_to_t5 import main as back
 from convert.flan_to_fat5 import main
 from fat5 import FAT5Config, FAT5ForConditionalGeneration
-from t5_checkpoints import COMMON, make_t5_checkpoint, padded_batch
+from fat5.compat_fat5 import release
+from t5_checkpoints import COMMON, make_t5_checkpoint
 
-PREFIX = {"t5": "T5", "mt5": "MT5", "umt5": "UMT5"}
-
-
-@pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("model_type", ["t5", "mt5", "umt5"])
-def test_checkpoint_written_by_installed_transformers_converts_to_the_same_logits(tmp_path, model_type, tied):
-    prefix = PREFIX[model_type]
-    torch.manual_seed(0)
-    config = getattr(transformers, f"{prefix}Config")(**COMMON, feed_forward_proj="gated-gelu",
-                                                      tie_word_embeddings=tied)
-    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
-    model.save_pretrained(tmp_path)  # exactly as the installed transformers writes it
-    fat5_config, state_dict = convert_checkpoint(tmp_path)
-    converted = FAT5ForConditionalGeneration(fat5_config).eval()
-    converted.load_state_dict(state_dict, strict=False)
-    batch = padded_batch(config.vocab_size)
-    with torch.no_grad():
-        expected, actual = model(**batch).logits, converted(**batch).logits
-    real = batch["decoder_attention_mask"].bool()
-    assert (expected - actual)[real].abs().max() <= 1e-5 * expected[real].abs().max()
-
-
-# (model_type, config.json keys as written, does the writer scale the decoder output)
+# (model_type, config.json keys as written, does the writer scale the decoder output): every row of
+# RESCALE_BY_WRITER has cases here (test_every_rescale_rule_has_a_case).
 WRITTEN_BY = [
     # transformers 4.x: every family scales exactly when tie_word_embeddings (family default when absent).
     ("t5", {"transformers_version": "4.57.6"}, True),  # T5 v1.0
@@ -48,16 +32,46 @@ WRITTEN_BY = [
     ("umt5", {"transformers_version": "4.57.6", "tie_word_embeddings": False}, False),  # google/umt5-*
     ("t5", {}, True),  # no version recorded: an old 4.x checkpoint
     # transformers 5.x: config.json always says tie_word_embeddings=true.
-    ("t5", {"transformers_version": "5.23.0", "tie_word_embeddings": True, "scale_decoder_outputs": True}, True),
+    ("t5", {"transformers_version": "5.0.0", "tie_word_embeddings": True, "scale_decoder_outputs": True}, True),
     ("t5", {"transformers_version": "5.23.0", "tie_word_embeddings": True, "scale_decoder_outputs": False}, False),
+    ("t5", {"transformers_version": "5.24.0", "tie_word_embeddings": False}, False),  # as 5.x reads a 4.x FLAN-T5
     ("mt5", {"transformers_version": "5.23.0", "tie_word_embeddings": True}, False),  # mT5 never scales in 5.x
+    ("mt5", {"transformers_version": "5.24.0", "tie_word_embeddings": True, "scale_decoder_outputs": False}, False),
     ("umt5", {"transformers_version": "5.0.0", "tie_word_embeddings": True}, True),  # forced tie: always scales
+    ("umt5", {"transformers_version": "5.23.0", "tie_word_embeddings": True, "scale_decoder_outputs": True}, True),
+    # transformers 5.24's umT5 records the rescale as T5 does: untied umT5s (google/umt5-*) no longer rescale.
+    ("umt5", {"transformers_version": "5.24.0", "tie_word_embeddings": True, "scale_decoder_outputs": False}, False),
+    ("umt5", {"transformers_version": "5.24.0", "tie_word_embeddings": True, "scale_decoder_outputs": True}, True),
+    ("umt5", {"transformers_version": "5.30.1", "tie_word_embeddings": False}, False),  # a later 5.x reads it so
+]
+# A scale_decoder_outputs that the writing release ignored, disagreeing with what it computed: ambiguous, refused.
+CONTRADICTIONS = [
+    ("mt5", {"transformers_version": "5.24.0", "tie_word_embeddings": True, "scale_decoder_outputs": True}),
+    ("umt5", {"transformers_version": "5.23.0", "tie_word_embeddings": True, "scale_decoder_outputs": False}),
+    ("t5", {"transformers_version": "4.57.6", "tie_word_embeddings": False, "scale_decoder_outputs": True}),
 ]
 
 
 @pytest.mark.parametrize("model_type, written, scales", WRITTEN_BY)
 def test_rescale_follows_the_writing_transformers_version(model_type, written, scales):
     assert scales_decoder_output({"model_type": model_type, **written}) is scales
+
+
+@pytest.mark.parametrize("model_type, written", CONTRADICTIONS)
+def test_a_rescale_field_the_writer_ignored_and_contradicts_is_refused(model_type, written):
+    with pytest.raises(ConversionError, match="ignores that field"):
+        scales_decoder_output({"model_type": model_type, **written})
+
+
+def test_every_rescale_rule_has_a_case():
+    def row_of(model_type, written):
+        writer = release(written.get("transformers_version", "4"))[:3]
+        return next(index for index, (model_types, first, after, _) in enumerate(RESCALE_BY_WRITER)
+                    if model_type in model_types and release(first)[:3] <= writer
+                    and (after is None or writer < release(after)[:3]))
+
+    cases = [(model_type, written) for model_type, written, _ in WRITTEN_BY] + CONTRADICTIONS
+    assert {row_of(*case) for case in cases} == set(range(len(RESCALE_BY_WRITER)))
 
 
 @pytest.mark.parametrize("version", ["4.57.6", "5.23.0"])

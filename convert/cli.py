@@ -2,6 +2,8 @@
 
 - Bad input or a refused request (`CommandError`, an `OSError` on the user's files, an argparse usage error):
   one line `error: ...` on stderr, exit status 2 (`EXIT_BAD_INPUT`).
+- A self-check that found the command's own result wrong (`CheckFailed`: a conversion's logits parity, the demo's
+  answers): one line `error: ...`, exit status 1 (`EXIT_CHECK_FAILED`).
 - Ctrl-C at any moment, imports included: one line `interrupted: <what the output folder holds>` on stderr,
   exit status 130 (`EXIT_INTERRUPTED`).
 - Anything else is a bug in FAT5 and keeps its traceback.
@@ -17,12 +19,17 @@ import signal
 import sys
 import threading
 
+EXIT_CHECK_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 
 
 class CommandError(Exception):
     """Bad input or an impossible request: printed as one `error:` line, exit status 2."""
+
+
+class CheckFailed(CommandError):
+    """The command checked its own result and found it wrong: one `error:` line, exit status 1."""
 
 
 class CliParser(argparse.ArgumentParser):
@@ -111,7 +118,7 @@ def run(command, argv=None):
         if not isinstance(error, (CommandError, OSError)):
             raise
         print(f"error: {error_line(error)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_CHECK_FAILED if isinstance(error, CheckFailed) else EXIT_BAD_INPUT
     finally:
         _interruptions.clear()
         sys.unraisablehook, sys.excepthook = previous_unraisable, previous_excepthook

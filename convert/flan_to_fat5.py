@@ -14,7 +14,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from convert.cli import CliParser, CommandError, add_output_arguments, error_line, exit_with, run
+from convert.cli import CheckFailed, CliParser, CommandError, add_output_arguments, error_line, exit_with, run
 
 # Heavy modules (torch, transformers) are imported inside `convert`, where Ctrl-C is handled.
 DTYPES = ("bfloat16", "float16", "float32")
@@ -81,14 +81,25 @@ def base_model_id(explicit, hub_id, source_config):
 
 
 def run_demo_pipeline(out):
+    """Answer the demo prompts with the text2text pipeline loaded from `out`, as a user would; the answers are
+    known, so a wrong one fails the command (FAT5 then computes wrongly under the installed transformers)."""
+    import transformers
     from transformers import pipeline
 
     from convert.demo import DEMO_PROMPTS
 
     generator = pipeline("text2text-generation", model=str(out), trust_remote_code=True)
+    wrong = []
     for prompt, expected in DEMO_PROMPTS:
         text = generator(prompt)[0]["generated_text"]
         print(f"  {prompt!r} -> {text!r}" + ("" if text == expected else f"   (expected {expected!r})"))
+        if text != expected:
+            wrong.append((prompt, text, expected))
+    if wrong:
+        prompt, text, expected = wrong[0]
+        raise CheckFailed(f"the demo model in {out} answered {len(wrong)} of {len(DEMO_PROMPTS)} prompts wrongly, "
+                          f"first {prompt!r} -> {text!r} (expected {expected!r}): FAT5 does not compute correctly "
+                          f"under transformers {transformers.__version__}; please report it")
 
 
 def convert(args, progress, argv=None):

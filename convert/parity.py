@@ -2,7 +2,8 @@
 
 One model is in memory at a time: the reference's logits are computed and the reference freed before the
 written folder is loaded. The difference is taken over real (unpadded) decoder positions and must be within
-PARITY_TOLERANCE of the largest reference logit, for the dtype the written model holds.
+PARITY_TOLERANCE of the largest reference logit, for the dtype the written model holds. A written FAT5 model must
+also generate with its cache what it generates without (`prove_cached_generation`).
 """
 
 import gc
@@ -10,15 +11,16 @@ from pathlib import Path
 
 import torch
 
-from convert.cli import CommandError
+from convert.cli import CheckFailed
 
 # Verification tolerance on logits, relative to the largest reference logit, per stored dtype.
 PARITY_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+GENERATION_STEPS = 6  # greedy steps of the cached-generation check
 PARITY_TEXTS = ("translate English to German: The house is wonderful.", "summarize: studies have shown that "
                 "owning a dog is good for you", "cola sentence: The course is jumping well.")
 
 
-class ParityError(CommandError):
+class ParityError(CheckFailed):
     """The written folder does not compute the logits of the model it was converted from."""
 
 
@@ -44,8 +46,9 @@ def parity_batch(folder, reference):
     return batch, "2 random padded sequences"
 
 
-def prove_parity(reference, load_written, tokenizer_folder):
-    """Compare `reference`'s logits with those of the model `load_written()` returns, on `parity_batch`.
+def prove_parity(reference, load_written, tokenizer_folder, check_generation=False):
+    """Compare `reference`'s logits with those of the model `load_written()` returns, on `parity_batch`; with
+    `check_generation`, also the written model's cached generation (`prove_cached_generation`).
 
     `reference` is freed before the written model is loaded. Returns (max |difference| over real decoder
     tokens, description of the sample); raises ParityError above tolerance.
@@ -59,7 +62,6 @@ def prove_parity(reference, load_written, tokenizer_folder):
     with torch.no_grad():
         actual = written(**batch).logits.float()
     stored = written.get_input_embeddings().weight.dtype
-    del written
     real = batch["decoder_attention_mask"].bool()
     difference = (expected - actual)[real].abs().max().item()
     tolerance = PARITY_TOLERANCE[stored] * expected[real].abs().max().item()
@@ -67,7 +69,34 @@ def prove_parity(reference, load_written, tokenizer_folder):
     if not difference <= tolerance:
         raise ParityError(f"parity check failed: max |logits difference| {difference:.3g} > tolerance "
                           f"{tolerance:.3g} ({sample})")
+    if check_generation:
+        prove_cached_generation(written, batch, PARITY_TOLERANCE[stored])
     return difference, sample
+
+
+def prove_cached_generation(model, batch, relative_tolerance, steps=GENERATION_STEPS):
+    """Greedy `generate` (transformers' own loop, as users call it) with the model's cache and without: at every
+    step where a row's two sequences still agree, its logits must agree within `relative_tolerance` of the largest
+    one. A cache the installed transformers hands the model in a way it does not read shows up here, although
+    every single forward is right. (A row whose two runs pick different tokens at a near tie is compared up to
+    that step.)"""
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    options = dict(do_sample=False, num_beams=1, max_new_tokens=steps, min_new_tokens=steps, output_logits=True,
+                   return_dict_in_generate=True)
+    with torch.no_grad():
+        cached = model.generate(**inputs, **options, use_cache=True)
+        uncached = model.generate(**inputs, **options, use_cache=False)
+    agree = torch.ones(len(batch["input_ids"]), dtype=torch.bool)
+    start = cached.sequences.shape[1] - len(cached.logits)  # the decoder start token(s) come first
+    for step, (with_cache, without) in enumerate(zip(cached.logits, uncached.logits, strict=True)):
+        with_cache, without = with_cache[agree].float(), without[agree].float()
+        difference = (with_cache - without).abs().max().item()
+        if not difference <= relative_tolerance * without.abs().max().item():
+            raise ParityError(f"generation check failed: at step {step + 1} of greedy generation, the logits with "
+                              f"the cache differ from those without it by {difference:.3g}")
+        agree &= cached.sequences[:, start + step] == uncached.sequences[:, start + step]
+        if not agree.any():
+            break
 
 
 def load_fat5(folder, dtype=None):
@@ -83,7 +112,8 @@ def verify_parity(source_folder, folder, dtype):
     """T5 -> FAT5: the FAT5 folder written at `folder` against the transformers model of `source_folder`."""
     from convert.checkpoint import load_source_model
 
-    return prove_parity(load_source_model(source_folder, dtype=dtype), lambda: load_fat5(folder, dtype), folder)
+    return prove_parity(load_source_model(source_folder, dtype=dtype), lambda: load_fat5(folder, dtype), folder,
+                        check_generation=True)
 
 
 def verify_back_parity(fat5_folder, folder):

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 import convert.export
 from convert.checkpoint import convert_checkpoint
+from convert.demo import DEMO_PROMPTS
 from convert.flan_to_fat5 import main
 from convert.safety import STAGING_MARK
 from t5_checkpoints import make_t5_checkpoint
@@ -154,7 +155,7 @@ def test_parity_failure_is_loud(flan, tmp_path):
 
     original = convert.export.iter_converted_tensors
     with mock.patch.object(convert.export, "iter_converted_tensors", broken):
-        assert main([str(flan), str(tmp_path / "out")]) == 2
+        assert main([str(flan), str(tmp_path / "out")]) == 1  # a failed self-check, not bad input
     assert not (tmp_path / "out").exists()
 
 
@@ -188,3 +189,35 @@ def test_help_documents_every_option():
     for option in ("--dtype", "--attn-implementation", "--max-shard-size", "--overwrite", "--no-verify",
                    "--push-to-hub", "--private", "--revision", "--create-pr", "--token"):
         assert option in result.stdout
+
+
+def test_demo_with_a_wrong_answer_fails_in_one_line(tmp_path, monkeypatch, capsys):
+    """README command 1 knows the demo's answers: a wrong one is exit status 1 and one line naming the prompt."""
+    import transformers
+
+    monkeypatch.chdir(tmp_path)
+    answers = iter(["mat", *(answer for _, answer in DEMO_PROMPTS[1:])])
+    monkeypatch.setattr(transformers, "pipeline", lambda *args, **kwargs: lambda prompt: [
+        {"generated_text": next(answers)}])
+    assert main([]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: the demo model in fat5-demo answered 1 of 6 prompts wrongly, first "
+                      f"{DEMO_PROMPTS[0][0]!r} -> 'mat' (expected {DEMO_PROMPTS[0][1]!r}): FAT5 does not compute "
+                      f"correctly under transformers {transformers.__version__}; please report it"]
+
+
+def test_a_model_that_generates_wrongly_with_its_cache_is_refused(flan, tmp_path, capsys):
+    """Every forward right, but the decoder drops the cache generate hands it (what transformers 5.24's rename did
+    to FAT5): the converter's generation check fails the conversion, exit status 1, and writes nothing."""
+    from fat5.modeling_fat5 import FAT5Stack
+
+    original = FAT5Stack.forward
+
+    def forgetful(self, *args, cache=None, past_key_values=None, **kwargs):
+        return original(self, *args, **kwargs)
+
+    with mock.patch.object(FAT5Stack, "forward", forgetful):
+        assert main([str(flan), str(tmp_path / "out")]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("error: generation check failed: at step 2 of greedy generation"), error
+    assert not (tmp_path / "out").exists()

@@ -14,6 +14,7 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 
 from convert.cli import CommandError, error_line
+from fat5.compat_fat5 import TESTED_TRANSFORMERS
 from fat5.remote_code_fat5 import PIPELINE_TASK, custom_pipelines_entry  # noqa: F401  (re-exported)
 
 MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent / "model_card_template.md"
@@ -85,6 +86,7 @@ def render_model_card(
         parity_max_abs_diff=None if parity_max_abs_diff is None else f"{parity_max_abs_diff:.3g}",
         parity_sample=parity_sample,
         convert_command=convert_command,
+        tested_transformers=", ".join(TESTED_TRANSFORMERS),
     )
     path = Path(out_dir) / "README.md"
     card.save(path)

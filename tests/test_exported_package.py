@@ -7,6 +7,7 @@ import pytest
 
 from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
 from convert.flan_to_fat5 import main
+from fat5.compat_fat5 import TESTED_TRANSFORMERS
 from isolated import run_isolated
 
 CHILD = """
@@ -64,4 +65,7 @@ def test_model_card_carries_metadata_and_parity(exported):
     assert "- fat5" in card and "- custom_code" in card
     assert "license: apache-2.0" in card
     assert "Largest absolute difference" in card
+    # The transformers releases the folder's code was tested with: in the card and in config.json.
+    assert f"tested with transformers {', '.join(TESTED_TRANSFORMERS)}" in card
+    assert json.loads((exported / "config.json").read_text())["tested_transformers"] == list(TESTED_TRANSFORMERS)
     assert {"spiece.model", "tokenizer_config.json"} <= {path.name for path in exported.iterdir()}

@@ -32,11 +32,13 @@ def hf_classes(prefix):
     return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForConditionalGeneration")
 
 
-def make_t5_checkpoint(family, folder, seed=0, safe_serialization=True, **shape):
+def make_t5_checkpoint(family, folder, seed=0, safe_serialization=True, weight_std=None, **shape):
     """Save a random checkpoint of `family` into `folder` the way Hub checkpoints look: an untied model stores
     its own lm_head and says tie_word_embeddings=false in config.json. Without safe_serialization it writes an
     old-style `pytorch_model.bin` that also stores the tied copies (embed_tokens, a tied lm_head). `shape`
-    overrides the tiny sizes (e.g. T5-base's for the GPU tests)."""
+    overrides the tiny sizes (e.g. T5-base's for the GPU tests). `weight_std`: draw every matrix from N(0,
+    weight_std), for generation tests (T5's initialisation makes a fresh model repeat one token, which a broken
+    cache would repeat too)."""
     prefix, overrides, tied = FAMILIES[family]
     config_class, model_class = hf_classes(prefix)
     torch.manual_seed(seed)
@@ -48,6 +50,8 @@ def make_t5_checkpoint(family, folder, seed=0, safe_serialization=True, **shape)
         # Break the exact symmetry of fresh layer norms (all ones) so parity checks see real weights.
         if parameter.dim() == 1:
             parameter.data.uniform_(0.5, 1.5)
+        elif weight_std is not None:
+            parameter.data.normal_(0.0, weight_std)
     model.save_pretrained(folder)
     if not safe_serialization:
         state_dict = {name: tensor.clone() for name, tensor in model.state_dict().items()}

@@ -9,7 +9,7 @@ import json
 import logging
 import sys
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import datasets
@@ -29,7 +29,14 @@ from transformers import (
 )
 
 from convert.cli import CommandError, Progress, error_line
-from fat5.training.run_folder import OverwriteOutputDirArgument, RunFolder, RunFolderTrainerMixin
+from fat5.training.run_folder import (
+    TRAINING_SETTINGS,
+    RunFolder,
+    RunFolderArguments,
+    RunFolderTrainerMixin,
+    RunInput,
+    training_settings,
+)
 from recipes.arguments import ModelArguments
 from recipes.data import load_dataset_splits, read_table, write_predictions
 
@@ -41,12 +48,12 @@ GENERATION_FLAGS = ("generation_max_length", "generation_num_beams", "generation
 
 
 @dataclass
-class RecipeSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, OverwriteOutputDirArgument):
+class RecipeSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, RunFolderArguments):
     pass
 
 
 @dataclass
-class RecipeTrainingArguments(TrainingArguments, OverwriteOutputDirArgument):
+class RecipeTrainingArguments(TrainingArguments, RunFolderArguments):
     pass
 
 
@@ -76,7 +83,7 @@ def parse_flags(dataclass_types, argv, **defaults):
 def check_flags(recipe, data_args, training_args, classes):
     """A flag that would have no effect in this combination is an error, not silently ignored."""
     if not training_args.do_train:
-        for flag in ("resume_from_checkpoint", "overwrite_output_dir"):
+        for flag in ("resume_from_checkpoint", "overwrite_output_dir", "resume_with_changed_settings"):
             if getattr(training_args, flag):
                 raise CommandError(f"--{flag} has no effect without --do_train")
     if not recipe.seq2seq and training_args.do_predict:
@@ -252,6 +259,19 @@ def save(trainer, tokenizer, model_args, training_args):
         logger.info("LoRA merged into %s", merged_dir)
 
 
+def train(trainer, tokenizer, model_args, training_args, run_folder):
+    """Train (or continue the run), then save. A run killed after its last step's checkpoint is saved from it
+    (Trainer would train one step past its end)."""
+    state = run_folder.resume_state()
+    if state and not run_folder.changed and state["global_step"] >= state["max_steps"] > 0:
+        print(f"{run_folder.resume_checkpoint} is the run's last step: saving it as the final model")
+        trainer.load_without_training(run_folder.resume_checkpoint)
+    else:
+        finish(trainer, "train", trainer.train(resume_from_checkpoint=run_folder.resume_checkpoint).metrics)
+    save(trainer, tokenizer, model_args, training_args)
+    run_folder.finish()
+
+
 def finish(trainer, split, metrics):
     trainer.log_metrics(split, metrics)
     trainer.save_metrics(split, metrics)
@@ -274,12 +294,59 @@ def fine_tune(recipe, argv=None, progress=None):
     run_folder = None
     if training_args.do_train:
         run_folder = RunFolder(training_args.output_dir, training_args.resume_from_checkpoint,
-                               overwrite=training_args.overwrite_output_dir, resume_flag="last")
+                               overwrite=training_args.overwrite_output_dir, resume_flag="last",
+                               inputs=run_inputs(model_args, data_args, training_args, argv),
+                               settings=run_settings(model_args, data_args, training_args),
+                               accept_changed_settings=training_args.resume_with_changed_settings,
+                               check_changes=lambda changed: check_resumable_changes(changed, training_args))
     with run_folder.opened(training_args) if run_folder else nullcontext():
         if run_folder:
             progress.describe = run_folder.describe
+            if run_folder.already_finished:
+                print(f"{training_args.output_dir}: this run finished (its final model is there); nothing to do "
+                      f"(evaluate or predict with --model_name_or_path {training_args.output_dir}, without --do_train)")
+                return None
         return train_evaluate_predict(recipe, model_args, data_args, training_args, classes, tables, examples,
                                       run_folder)
+
+
+def run_inputs(model_args, data_args, training_args, argv):
+    """Every path a training run reads, for the run folder's check against --output_dir."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    inputs = [RunInput("--model_name_or_path", model_args.model_name_or_path)]
+    inputs += [RunInput(f"--{flag}", getattr(data_args, flag)) for flag in FILE_FLAGS.values()]
+    if isinstance(training_args.deepspeed, str):
+        inputs.append(RunInput("--deepspeed", training_args.deepspeed))
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        inputs.append(RunInput("the flags file", argv[0]))
+    return inputs
+
+
+def run_settings(model_args, data_args, training_args):
+    """What shapes the training, recorded by the run folder and compared when the run resumes: the model and data
+    flags of training (the training file with its size) and Trainer's training settings."""
+    not_training = ("merge_lora", "validation_file", "test_file", "max_eval_samples", "max_predict_samples")
+    settings = {name: value for name, value in {**asdict(model_args), **asdict(data_args)}.items()
+                if name not in not_training}
+    if data_args.train_file and Path(data_args.train_file).is_file():
+        settings["train_file"] = [data_args.train_file, Path(data_args.train_file).stat().st_size]
+    return {**json.loads(json.dumps(settings, default=str)), **training_settings(training_args)}
+
+
+# Settings --resume_with_changed_settings may change: they change how the run trains from here on, not which
+# examples come next (Trainer positions a resumed epoch by batches, so another batch size, data or seed cannot be
+# continued exactly).
+RESUMABLE_CHANGES = tuple(name for name in TRAINING_SETTINGS if name not in (
+    "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "data_seed", "group_by_length",
+    "dataloader_drop_last"))
+
+
+def check_resumable_changes(changed, training_args):
+    fixed = sorted(set(changed) - set(RESUMABLE_CHANGES))
+    if fixed:
+        raise CommandError(f"--resume_with_changed_settings cannot continue this run exactly with another "
+                           f"--{fixed[0]} (the data it trains on would not follow on); start a new run from its last "
+                           f"checkpoint (--model_name_or_path {training_args.output_dir}/checkpoint-N)")
 
 
 def train_evaluate_predict(recipe, model_args, data_args, training_args, classes, tables, examples, run_folder):
@@ -301,9 +368,7 @@ def train_evaluate_predict(recipe, model_args, data_args, training_args, classes
         compute_metrics=text_metrics(tokenizer, classes, recipe.score) if scores else None)
     with one_line_worker_errors(), progress_bars_closed_on_interrupt(trainer):
         if training_args.do_train:
-            finish(trainer, "train", trainer.train(resume_from_checkpoint=run_folder.resume_checkpoint).metrics)
-            save(trainer, tokenizer, model_args, training_args)
-            run_folder.finished = True
+            train(trainer, tokenizer, model_args, training_args, run_folder)
         if training_args.do_eval:
             finish(trainer, "eval", trainer.evaluate())
         if training_args.do_predict:

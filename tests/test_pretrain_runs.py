@@ -5,6 +5,7 @@ checkpoint saves (SIGKILL, Ctrl-C), and every bad input as one `error:` line wit
 import json
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -106,8 +107,18 @@ def test_a_finished_run_is_never_replaced_or_continued_by_another(tiny, tmp_path
     line = one_error_line(capsys, tiny_flags(tiny, out, 4))
     assert "holds another run's results" in line and "checkpoint-4" in line and "--overwrite_output_dir" in line
     assert (out / "model.safetensors").read_bytes() == weights and read_record(out) == record
-    # latest continues this run (more steps), from its own last complete checkpoint.
-    assert pretrain_main(tiny_flags(tiny, out, 6, "--resume_from_checkpoint", "latest")) == 0
+    # Resumed with its own settings, the finished run is a no-op that says so.
+    capsys.readouterr()
+    assert pretrain_main(tiny_flags(tiny, out, 4, "--resume_from_checkpoint", "latest")) == 0
+    assert "this run finished (its final model is there); nothing to do" in capsys.readouterr().out
+    assert (out / "model.safetensors").read_bytes() == weights and not (out / "checkpoint-5").exists()
+    # More steps change the learning-rate schedule: refused, naming the setting, unless asked for explicitly; latest
+    # then continues this run from its own last complete checkpoint.
+    line = one_error_line(capsys, tiny_flags(tiny, out, 6, "--resume_from_checkpoint", "latest"))
+    assert "this run was started with other settings: --max_steps 6 (the run's: 4)" in line
+    assert "--resume_with_changed_settings" in line
+    assert pretrain_main(tiny_flags(tiny, out, 6, "--resume_from_checkpoint", "latest",
+                                    "--resume_with_changed_settings")) == 0
     assert read_record(out)["run"] == record["run"] and read_record(out / "checkpoint-6")["run"] == record["run"]
     assert [entry["step"] for entry in log_history(out / "checkpoint-6")] == [1, 2, 3, 4, 5, 6]
     # --overwrite_output_dir starts a new run in the folder, whose old checkpoints are gone.
@@ -250,8 +261,104 @@ def test_resume_errors(tiny, tmp_path, capsys):
     assert pretrain_main(tiny_flags(tiny, out, 2)) == 0
     wider = dict(TINY, d_ff=2 * TINY["d_ff"])
     (tmp_path / "wider.json").write_text(json.dumps(wider))
-    flags = tiny_flags(tiny, out, 4, "--resume_from_checkpoint", "latest")
+    flags = tiny_flags(tiny, out, 2, "--resume_from_checkpoint", "latest")
     flags[flags.index("--config") + 1] = str(tmp_path / "wider.json")
     line = one_error_line(capsys, flags)
+    assert f"this run was started with other settings: --config {str(tmp_path / 'wider.json')!r}" in line
+    line = one_error_line(capsys, [*flags, "--resume_with_changed_settings"])
     assert "holds a model of another shape" in line and "resume with the flags it was trained with" in line
     assert json.loads((out / RECORD_NAME).read_text())["run"] == read_record(out / "checkpoint-2")["run"]
+
+
+# -- a run's inputs, settings and end ------------------------------------------------------------------------------
+
+def test_no_input_is_inside_the_output_folder_or_holds_it(tiny, tmp_path, capsys):
+    """Nothing the run reads can be written over, deleted by --overwrite_output_dir, or read back as data."""
+    corpus_folder = tmp_path / "corpus"
+    corpus_folder.mkdir()
+    write_corpus(corpus_folder / "a.txt", 10)
+    line = one_error_line(capsys, tiny_flags(tiny, corpus_folder / "run", 2, corpus=corpus_folder))
+    assert line == (f"error: --output_dir {corpus_folder / 'run'} lies inside --train_files {corpus_folder}, which is "
+                    f"read with everything below it: the run's own files would become its data; choose an "
+                    f"--output_dir outside it")
+    assert not (corpus_folder / "run").exists()
+    # A config kept in the output folder of a finished run, replaced with --overwrite_output_dir: refused, kept.
+    out = tmp_path / "run"
+    assert pretrain_main(tiny_flags(tiny, out, 2)) == 0
+    config = out / "tiny.json"
+    config.write_text((tiny[0] / "tiny.json").read_text())
+    flags = tiny_flags(tiny, out, 2, "--overwrite_output_dir")
+    flags[flags.index("--config") + 1] = str(config)
+    line = one_error_line(capsys, flags)
+    assert line.startswith(f"error: --config {config} lies inside --output_dir {out}: the run would write over")
+    assert config.is_file() and (out / "checkpoint-2").is_dir()
+    line = one_error_line(capsys, tiny_flags(tiny, out, 2, "--overwrite_output_dir", "--model_name_or_path", out))
+    assert f"--model_name_or_path {out} is --output_dir {out} itself" in line
+
+
+def test_overwrite_deletes_only_what_the_earlier_run_wrote(tiny, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert pretrain_main(tiny_flags(tiny, out, 2)) == 0
+    wrote = read_record(out)["wrote"]
+    assert {"checkpoint-2", "model.safetensors", "config.json"} <= set(wrote)
+    (out / "notes.txt").write_text("mine")
+    line = one_error_line(capsys, tiny_flags(tiny, out, 2, "--overwrite_output_dir"))
+    assert "also holds what no FAT5 run wrote (notes.txt)" in line and "move them out" in line
+    assert (out / "notes.txt").read_text() == "mine" and sorted(path.name for path in out.iterdir() if
+                                                               path.name in wrote) == sorted(wrote)
+    (out / "notes.txt").unlink()
+    assert pretrain_main(tiny_flags(tiny, out, 2, "--overwrite_output_dir")) == 0
+    # A folder no FAT5 run recorded is never emptied, with or without the flag.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "data.bin").write_bytes(b"x")
+    line = one_error_line(capsys, tiny_flags(tiny, mine, 2, "--overwrite_output_dir"))
+    assert "holds files that are not a FAT5 run's: --overwrite_output_dir deletes only what a FAT5 run wrote" in line
+    assert sorted(path.name for path in mine.iterdir()) == ["data.bin"]
+
+
+def test_another_batch_shape_continues_the_stream_by_examples(tiny, tmp_path, capsys):
+    """Resumed with half the batch and twice the accumulation (--resume_with_changed_settings), the run trains on
+    exactly the examples the uninterrupted run trains on: the same losses at steps 3 and 4."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert pretrain_main(tiny_flags(tiny, whole, 4)) == 0
+    assert pretrain_main(tiny_flags(tiny, resumed, 4)) == 0
+    shutil.rmtree(resumed / "checkpoint-4")
+    (resumed / "model.safetensors").unlink()
+    record = read_record(resumed)
+    record["finished"] = False
+    (resumed / RECORD_NAME).write_text(json.dumps(record))
+    flags = tiny_flags(tiny, resumed, 4, "--resume_from_checkpoint", "latest")
+    flags[flags.index("--per_device_train_batch_size") + 1] = "2"
+    line = one_error_line(capsys, [*flags, "--gradient_accumulation_steps", "2"])
+    assert "--gradient_accumulation_steps 2 (the run's: 1), --per_device_train_batch_size 2 (the run's: 4)" in line
+    assert pretrain_main([*flags, "--gradient_accumulation_steps", "2", "--resume_with_changed_settings"]) == 0
+    assert read_record(resumed / "checkpoint-4")["examples_per_shard"] == [16]
+    assert read_record(whole / "checkpoint-4")["examples_per_shard"] == [16]
+    original, again = log_history(whole / "checkpoint-4"), log_history(resumed / "checkpoint-4")
+    for first, second in zip(original[2:], again[2:], strict=True):
+        assert second["loss"] == pytest.approx(first["loss"], rel=1e-4), (first, second)
+
+
+def test_a_run_killed_in_its_final_save_is_finished_without_training_past_its_end(tiny, tmp_path, capsys,
+                                                                                  monkeypatch):
+    from transformers import Trainer
+
+    save_model = Trainer.save_model
+
+    def killed(self, output_dir=None, _internal_call=False):
+        if not _internal_call:  # the final save of the model, after the checkpoint of the last step
+            raise KeyboardInterrupt
+        return save_model(self, output_dir, _internal_call)
+
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(Trainer, "save_model", killed)
+        assert pretrain_main(tiny_flags(tiny, out, 4)) == 130
+    assert (out / "checkpoint-4").is_dir() and not (out / "model.safetensors").exists()
+    capsys.readouterr()
+    assert pretrain_main(tiny_flags(tiny, out, 4, "--resume_from_checkpoint", "latest")) == 0
+    assert "checkpoint-4 is the run's last step (4): saving it as the final model" in capsys.readouterr().out
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    assert (out / "model.safetensors").read_bytes() == (out / "checkpoint-4" / "model.safetensors").read_bytes()
+    assert read_record(out)["finished"] is True

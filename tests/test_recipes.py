@@ -9,6 +9,7 @@ import csv
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -292,8 +293,9 @@ def test_resume_from_last_checkpoint(demo_fat5, data, tmp_path):
     flags = ["--save_strategy", "steps", "--save_steps", "2"]
     first = run_recipe("train", demo_fat5, data, out, *flags, "--max_steps", "2", do=("--do_train",))
     assert (out / "checkpoint-2").is_dir() and first.state.global_step == 2
+    # More steps than the run was started with change its schedule: an explicit choice.
     resumed = run_recipe("train", demo_fat5, data, out, *flags, "--max_steps", "4", "--resume_from_checkpoint",
-                         "last", do=("--do_train",))
+                         "last", "--resume_with_changed_settings", do=("--do_train",))
     assert resumed.state.global_step == 4
     # The resumed run continues the saved history rather than starting over.
     assert [e["step"] for e in resumed.state.log_history if "loss" in e] == [1, 2, 3, 4]
@@ -422,9 +424,42 @@ def test_ctrl_c_and_the_run_folder(demo_fat5, data, tmp_path, capsys):
     incomplete = out / f"checkpoint-{steps[-1] + 50}"
     incomplete.mkdir()
     (incomplete / "config.json").write_text("{}")
-    resumed = fine_tune(train.RECIPE, [*base, "--max_steps", str(steps[-1] + 1), "--resume_from_checkpoint", "last"])
+    resumed = fine_tune(train.RECIPE, [*base, "--max_steps", str(steps[-1] + 1), "--resume_from_checkpoint", "last",
+                                       "--resume_with_changed_settings"])
     assert resumed.state.global_step == steps[-1] + 1
     assert not incomplete.exists()
     overwritten = fine_tune(train.RECIPE, [*base, "--max_steps", "1", "--overwrite_output_dir"])
     assert overwritten.state.global_step == 1
     assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+def test_a_run_never_destroys_or_silently_changes_its_inputs(demo_fat5, data, tmp_path, capsys):
+    """Fine-tuning in place is refused before anything is deleted; a resume with another batch size cannot continue
+    exactly and is refused even when asked; a finished run resumed is a no-op that says so."""
+    model = tmp_path / "model"
+    shutil.copytree(demo_fat5, model)
+    before = sorted(path.name for path in model.iterdir())
+    line = error_line(capsys, train.main, ["--model_name_or_path", str(model), "--output_dir", str(model),
+                                           "--overwrite_output_dir", "--train_file", data["double_train"],
+                                           "--do_train", "--report_to", "none"])
+    assert line == (f"error: --model_name_or_path {model} is --output_dir {model} itself: the run would write over "
+                    f"what it reads; choose another --output_dir")
+    assert sorted(path.name for path in model.iterdir()) == before
+    out = tmp_path / "out"
+    flags = ["--save_strategy", "steps", "--save_steps", "2", "--max_steps", "2"]
+    run_recipe("train", demo_fat5, data, out, *flags, do=("--do_train",))
+    inside = out / "train.csv"
+    shutil.copy(data["double_train"], inside)
+    recipe, args, _ = RECIPES["train"](demo_fat5, {**data, "double_train": str(inside)}, str(out))
+    assert recipe.main([*args, *TRAINER_FLAGS, "--do_train", "--overwrite_output_dir", *flags]) == 2
+    assert f"--train_file {inside} lies inside --output_dir {out}" in capsys.readouterr().err
+    assert inside.is_file() and (out / "checkpoint-2").is_dir()
+    inside.unlink()
+    resume = [*flags, "--resume_from_checkpoint", "last", "--resume_with_changed_settings"]
+    recipe, args, _ = RECIPES["train"](demo_fat5, data, str(out))
+    smaller = [*args, *TRAINER_FLAGS, "--do_train", *resume, "--per_device_train_batch_size", "4"]
+    assert "cannot continue this run exactly with another --per_device_train_batch_size" in error_line(
+        capsys, recipe.main, smaller)
+    assert recipe.main([*args, *TRAINER_FLAGS, "--do_train", *flags, "--resume_from_checkpoint", "last"]) == 0
+    assert "this run finished (its final model is there); nothing to do" in capsys.readouterr().out
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-2"]

@@ -20,6 +20,7 @@ from fat5.training.run_folder import (
     RECORD_NAME,
     RunFolder,
     RunFolderTrainerMixin,
+    RunInput,
     complete_checkpoints,
     read_record,
 )
@@ -191,3 +192,96 @@ def test_a_second_process_on_the_same_folder_is_refused(tmp_path):
     with RunFolder(out).opened():
         pass
     assert sorted(os.listdir(out)) == [LOCK_NAME, RECORD_NAME]
+
+
+def test_inputs_are_checked_against_the_folder_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "train.csv").write_text("source,target\na,b\n")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for inputs, says in [([RunInput("--model_name_or_path", out)], "is --output_dir"),
+                         ([RunInput("--train_file", out / "train.csv")], "lies inside --output_dir"),
+                         ([RunInput("--train_files", tmp_path, recursive=True)], "lies inside --train_files")]:
+        with pytest.raises(CommandError, match=says):
+            RunFolder(out, overwrite=True, inputs=inputs).open()
+    assert sorted(path.name for path in out.iterdir()) == ["train.csv"]  # no lock, no record
+    # A folder read without what lies below it (a model folder) may hold the output folder; a Hub id is no path.
+    with RunFolder(corpus / "run", inputs=[RunInput("--model_name_or_path", corpus),
+                                           RunInput("--model_name_or_path", "google/flan-t5-small")]).opened():
+        pass
+
+
+def test_overwrite_removes_only_the_recorded_run_and_a_refusal_leaves_nothing(tmp_path):
+    out = tmp_path / "run"
+    with RunFolder(out).opened():
+        train(out, 2)
+    assert {"checkpoint-2"} <= set(read_record(out)["wrote"])
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(CommandError, match=r"also holds what no FAT5 run wrote \(notes.txt\)"):
+        RunFolder(out, overwrite=True).open()
+    assert (out / "checkpoint-2").is_dir() and (out / "notes.txt").is_file()
+    (out / "notes.txt").unlink()
+    with RunFolder(out, overwrite=True).opened():
+        assert sorted(os.listdir(out)) == [LOCK_NAME, RECORD_NAME]
+    # A record of an earlier FAT5 (no list of what it wrote) is not emptied either.
+    record = read_record(out)
+    del record["wrote"]
+    (out / RECORD_NAME).write_text(json.dumps(record))
+    (out / "model.bin").write_bytes(b"x")
+    with pytest.raises(CommandError, match="did not record which files are its own"):
+        RunFolder(out, overwrite=True).open()
+    assert (out / "model.bin").is_file()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "a.txt").write_text("a")
+    with pytest.raises(CommandError, match="holds files that are not a FAT5 run's"):
+        RunFolder(mine, overwrite=True).open()
+    assert sorted(os.listdir(mine)) == ["a.txt"]  # not even the lock file stays
+
+
+def test_a_resume_keeps_the_runs_settings_or_records_an_accepted_change(tmp_path):
+    out = tmp_path / "run"
+    with RunFolder(out, settings={"batch": 4, "lr": 0.1}).opened() as run_folder:
+        train(out, 2)
+        run_folder.finish()
+    with RunFolder(out, "latest", settings={"batch": 4, "lr": 0.1}).opened() as run_folder:
+        assert run_folder.already_finished  # nothing to do
+    with pytest.raises(CommandError, match=r"other settings: --lr 0.2 \(the run's: 0.1\); resume with the run's"):
+        RunFolder(out, "latest", settings={"batch": 4, "lr": 0.2}).open()
+
+    def refuse_batch(changed):
+        if "batch" in changed:
+            raise CommandError("not the batch")
+
+    with pytest.raises(CommandError, match="not the batch"):
+        RunFolder(out, "latest", settings={"batch": 8, "lr": 0.2}, accept_changed_settings=True,
+                  check_changes=refuse_batch).open()
+    assert read_record(out)["settings"] == {"batch": 4, "lr": 0.1}  # a refused resume changes nothing
+    with RunFolder(out, "latest", settings={"batch": 4, "lr": 0.2, "new": 1}, accept_changed_settings=True,
+                   check_changes=refuse_batch).opened() as run_folder:
+        assert run_folder.changed == {"lr": (0.1, 0.2)} and not run_folder.already_finished
+    assert read_record(out)["settings"] == {"batch": 4, "lr": 0.2, "new": 1}
+
+
+def test_a_checkpoint_at_the_last_step_loads_without_training_past_it(tmp_path):
+    out = tmp_path / "run"
+    with RunFolder(out).opened():
+        train(out, 4)
+
+    def load_only(folder, steps, resume=None, **kwargs):
+        torch.manual_seed(0)
+        args = TrainingArguments(output_dir=str(folder), max_steps=steps, save_steps=2, per_device_train_batch_size=4,
+                                 report_to="none", disable_tqdm=True, use_cpu=True, dataloader_pin_memory=False)
+        trainer = RunTrainer(model=TinyRegression(), args=args, train_dataset=Examples())
+        trainer.load_without_training(resume)
+        return trainer
+
+    trainer = load_only(out, 4, resume=str(out / "checkpoint-4"))
+    assert trainer.state.global_step == 4 and not (out / "checkpoint-5").exists()
+    saved = torch.load(out / "checkpoint-4" / "pytorch_model.bin", weights_only=True) if (
+        out / "checkpoint-4" / "pytorch_model.bin").exists() else None
+    from safetensors.torch import load_file
+
+    saved = saved or load_file(out / "checkpoint-4" / "model.safetensors")
+    assert torch.equal(trainer.model.linear.weight, saved["linear.weight"])

@@ -182,6 +182,8 @@ class DenoisingDataset(torch.utils.data.IterableDataset):
         self.tokenizer = tokenizer
         self.mixture = mixture
         self.seed = seed
+        # Examples of each shard's stream already trained on, skipped when a run resumes (see PretrainTrainer).
+        self.skip = None
 
     def pass_examples(self, corpus_pass, shard=0, num_shards=1):
         """The examples of one pass over the documents of `shard` (of `num_shards`)."""
@@ -196,6 +198,11 @@ class DenoisingDataset(torch.utils.data.IterableDataset):
     def __iter__(self):
         worker = torch.utils.data.get_worker_info()
         shard, num_shards = (worker.id, worker.num_workers) if worker else (0, 1)
+        if self.skip is not None and len(self.skip) != num_shards:
+            raise ValueError(f"the stream was read by {len(self.skip)} shards, and now by {num_shards}")
+        return itertools.islice(self._shard_stream(shard, num_shards), self.skip[shard] if self.skip else 0, None)
+
+    def _shard_stream(self, shard, num_shards):
         for corpus_pass in itertools.count():
             made = False
             for example in self.pass_examples(corpus_pass, shard, num_shards):

@@ -45,8 +45,8 @@ from .models import (
 )
 from .optim import AdamWScale
 from .packing import PackedSeq2SeqCollator
-from .run_folder import OverwriteOutputDirArgument, RunFolder
-from .trainer import PretrainTrainer
+from .run_folder import TRAINING_SETTINGS, RunFolder, RunFolderArguments, RunInput, read_record, training_settings
+from .trainer import PretrainTrainer, shard_examples
 
 # Every pretraining default that is not a flag's own: TrainingArguments' values changed here, and those that
 # depend on the start (a new model follows nanoT5 and FAT5; a converted checkpoint continues with AdamW and
@@ -103,7 +103,7 @@ class PretrainArguments:
 
 
 @dataclass
-class TrainerOptions(TrainingArguments, OverwriteOutputDirArgument):
+class TrainerOptions(TrainingArguments, RunFolderArguments):
     _argument_group_name = (
         f"TrainingArguments options (transformers; defaults changed here: {', '.join(DEFAULTS['trainer'])}, "
         f"learning_rate ({', '.join(f'{rate:g} with {name}' for name, rate in DEFAULTS['learning_rate'].items())}))")
@@ -243,14 +243,91 @@ def pretrain(argv, progress):
     dataset = None if tokenizer is None else denoising_dataset(args, training_args, documents, tokenizer)
     run_folder = RunFolder(training_args.output_dir, training_args.resume_from_checkpoint,
                            overwrite=training_args.overwrite_output_dir, resume_flag="latest",
-                           command=["python", "-m", "fat5.training.pretrain", *argv])
+                           command=["python", "-m", "fat5.training.pretrain", *argv],
+                           inputs=run_inputs(args, training_args, documents),
+                           settings=run_settings(args, training_args, documents),
+                           accept_changed_settings=training_args.resume_with_changed_settings,
+                           check_changes=lambda changed: check_stream_changes(changed, training_args))
     with run_folder.opened(training_args):
         progress.describe = run_folder.describe
+        if run_folder.already_finished:
+            print(f"{training_args.output_dir}: this run finished (its final model is there); nothing to do")
+            return
         if tokenizer is None:
             with training_args.main_process_first(desc="tokenizer"):  # one process trains it, the others load it
                 tokenizer = trained_tokenizer(args, training_args, documents, prefixes)
             dataset = denoising_dataset(args, training_args, documents, tokenizer)
         train(args, training_args, tokenizer, dataset, run_folder)
+
+
+def run_inputs(args, training_args, documents):
+    """Every path the run reads, for the run folder's check against --output_dir."""
+    inputs = [RunInput("--train_files", pattern, recursive=Path(pattern).is_dir())
+              for pattern in args.train_files or ()]
+    inputs += [RunInput("--train_files", path) for path in documents.files]
+    inputs += [RunInput("--model_name_or_path", args.model_name_or_path), RunInput("--tokenizer", args.tokenizer)]
+    if not args.model_name_or_path and args.config not in PRESETS:
+        inputs.append(RunInput("--config", args.config))
+    if isinstance(training_args.deepspeed, str):
+        inputs.append(RunInput("--deepspeed", training_args.deepspeed))
+    return inputs
+
+
+# Settings that define the stream of examples: a resume that changes them cannot continue the stream where it was.
+STREAM_SETTINGS = ("train_files", "text_field", "dataset_name", "dataset_config_name", "dataset_split", "tokenizer",
+                   "mixture", "max_input_length", "max_target_length", "seed", "data_seed", "dataloader_num_workers",
+                   "world_size")
+
+
+def run_settings(args, training_args, documents):
+    """What shapes the training, recorded by the run folder and compared when the run resumes. Corpus files count
+    with their sizes: a file that grew or shrank is another stream."""
+    settings = {name: getattr(args, name) for name in (
+        "text_field", "dataset_name", "dataset_config_name", "dataset_split", "model_name_or_path", "config",
+        "tokenizer", "resize_embeddings", "mixture", "max_input_length", "max_target_length", "packing",
+        "optimizer", "z_loss")}
+    settings["train_files"] = [[str(path), path.stat().st_size] for path in documents.files]
+    settings.update(training_settings(training_args, (*TRAINING_SETTINGS, "dataloader_num_workers")))
+    return settings
+
+
+def check_stream_changes(changed, training_args):
+    """A resume with changed settings (--resume_with_changed_settings) continues the stream by the examples of
+    each shard already trained on; settings that redefine the stream or its shards make that impossible."""
+    redefined = sorted(set(changed) & set(STREAM_SETTINGS))
+    if redefined:
+        raise CommandError(f"--resume_with_changed_settings cannot continue the run's stream of examples with another "
+                           f"--{redefined[0]}: start a new run from its last checkpoint's model "
+                           f"(--model_name_or_path {training_args.output_dir}/checkpoint-N)")
+    batch_shape = {"per_device_train_batch_size", "gradient_accumulation_steps"} & set(changed)
+    if batch_shape and training_args.world_size > 1:
+        raise CommandError(f"--resume_with_changed_settings: another --{sorted(batch_shape)[0]} over several processes "
+                           f"cannot continue the stream exactly; resume with the run's, or on one process")
+
+
+def stream_position(run_folder, training_args, dataset):
+    """Where this process starts reading the stream, when resuming: after the examples of each shard the checkpoint
+    records as trained on. Trainer's own skip of the batches already trained on lands there while the run kept its
+    batch settings throughout; after a change (--resume_with_changed_settings) the dataset skips them itself.
+    Returns the trainer's `stream_start` (None: counted from the start of the run)."""
+    checkpoint = run_folder.resume_checkpoint
+    if not checkpoint:
+        return None
+    counts = (read_record(checkpoint) or {}).get("examples_per_shard")
+    step = run_folder.resume_state()["global_step"]
+    if counts is None:  # an earlier FAT5's checkpoint: Trainer's skip, which needs the run's batch settings
+        if run_folder.changed.keys() & {"per_device_train_batch_size", "gradient_accumulation_steps"}:
+            raise CommandError(f"--resume_from_checkpoint {checkpoint} was written by an earlier FAT5 that did not "
+                               f"record the examples it trained on: resume with the run's batch settings")
+        return None
+    by_trainer = shard_examples(step * training_args.gradient_accumulation_steps, len(counts),
+                                training_args.per_device_train_batch_size)
+    if counts == by_trainer:
+        return None
+    dataset.skip = counts
+    # The dataset skips by examples, not Trainer by batches (its `epoch` in the logs then counts from the resume).
+    training_args.ignore_data_skip = True
+    return step, counts
 
 
 def train(args, training_args, tokenizer, dataset, run_folder):
@@ -275,13 +352,22 @@ def train(args, training_args, tokenizer, dataset, run_folder):
         training_args.accelerator_config.dispatch_batches = False
     trainer = PretrainTrainer(model=model, args=training_args, processing_class=tokenizer, train_dataset=dataset,
                               data_collator=data_collator,
-                              optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(args, training_args))
+                              optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(args, training_args),
+                              stream_start=stream_position(run_folder, training_args, dataset))
     if training_args.disable_tqdm:
         disable_progress_bar()  # transformers' own bars too (writing checkpoint shards)
+    state = run_folder.resume_state()
     with worker_errors_as_one_line():
-        trainer.train(resume_from_checkpoint=run_folder.resume_checkpoint)
+        if state and state["global_step"] >= training_args.max_steps:
+            # Killed after its last checkpoint, before its final save: nothing left to train (Trainer would take
+            # one step past --max_steps).
+            say(f"{run_folder.resume_checkpoint} is the run's last step ({state['global_step']}): saving it as the "
+                f"final model")
+            trainer.load_without_training(run_folder.resume_checkpoint)
+        else:
+            trainer.train(resume_from_checkpoint=run_folder.resume_checkpoint)
     trainer.save_model(training_args.output_dir)
-    run_folder.finished = True
+    run_folder.finish()
     say(f"saved the model and tokenizer to {training_args.output_dir}")
 
 

@@ -9,15 +9,36 @@ from .packing import PaddingFractionLoggingMixin
 from .run_folder import RunFolderTrainerMixin
 
 
+def shard_examples(batches, workers, batch_size):
+    """Examples each shard of the stream (one a DataLoader worker, or one in all) gives for `batches` batches: the
+    DataLoader takes its batches from the workers in turn (worker w gives batches w, w + W, ...)."""
+    return [max(0, (batches - w + workers - 1) // workers) * batch_size for w in range(workers)]
+
+
 class PretrainTrainer(PaddingFractionLoggingMixin, RunFolderTrainerMixin, Trainer):
     """Adds `tokens_per_second` (real encoder plus decoder tokens of this process since the previous log) and
     `padding_fraction` to every training log, both from the one count of the batches the mixin keeps in the
     training loop (callbacks never see the batches, and the collator may run in DataLoader workers). Checkpoints
-    are written as `RunFolderTrainerMixin` says."""
+    are written as `RunFolderTrainerMixin` says, and record how many examples of each shard of the stream (one a
+    DataLoader worker) the run has trained on: a resume skips exactly those (`stream_start`), whatever batch size
+    or accumulation it continues with."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, stream_start=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.since = time.perf_counter()
+        # (step, examples of each shard trained on at that step) where this process started reading the stream.
+        self.stream_start = stream_start or (0, [0] * max(1, self.args.dataloader_num_workers))
+
+    def examples_per_shard(self):
+        """Examples of each shard trained on at the current step."""
+        start_step, start = self.stream_start
+        batches = (self.state.global_step - start_step) * self.args.gradient_accumulation_steps
+        read = shard_examples(batches, len(start), self.args.per_device_train_batch_size)
+        return [before + after for before, after in zip(start, read, strict=True)]
+
+    def checkpoint_mark(self):
+        # One process reads the whole stream; with several, accelerate shares its batches among them.
+        return {"examples_per_shard": self.examples_per_shard()} if self.args.world_size == 1 else {}
 
     def log(self, logs, *args, **kwargs):
         tracker = getattr(self, "padding_tracker", None)

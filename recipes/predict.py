@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from convert.cli import CommandError, error_line, exit_with, run
-from recipes.arguments import require_positive
+from recipes.arguments import FileFormatArguments, require_positive
 from recipes.data import exact_match, read_table, write_predictions
 
 
@@ -70,8 +70,9 @@ def check_device(device):
 def predict(argv, progress):
     from recipes.runner import parse_flags  # heavy imports, once Ctrl-C is handled
 
-    (args,) = parse_flags((PredictArguments,), argv)
-    table = read_table(args.input_file)
+    args, format_args = parse_flags((PredictArguments, FileFormatArguments), argv)
+    format_args.check_effect([args.input_file])
+    table = read_table(args.input_file, format_args.tsv_quoting, format_args.max_field_chars)
     if args.max_predict_samples is not None:
         table = table.head(args.max_predict_samples)
     sources = table.texts(args.source_column, "--source_column")

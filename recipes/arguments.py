@@ -113,12 +113,15 @@ class Recipe:
     score(predictions, references) -> {metric: value}, on texts.
     classes(data_args) -> the label names when the recipe trains a classification head (targets are then one of
         them), or None when the model writes its targets.
+    check_training(table, targets, data_args): refuses training rows the recipe cannot learn from as they are
+        (classification: a class no training row holds), before the model loads.
     seq2seq: Seq2SeqTrainer and its flags, generating for evaluation; False: the plain Trainer, no --do_predict.
     """
 
     examples: Callable = source_target
     score: Callable | None = None
     classes: Callable | None = None
+    check_training: Callable | None = None
     data_arguments: type = DataArguments
     seq2seq: bool = True
 

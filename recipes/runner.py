@@ -272,6 +272,8 @@ def fine_tune(recipe, argv=None, progress=None):
     check_flags(recipe, data_args, format_args, training_args, classes)
     tables = load_splits(data_args, format_args, training_args)
     examples = {split: recipe.examples(table, data_args) for split, table in tables.items()}
+    if recipe.check_training and "train" in tables:
+        recipe.check_training(tables["train"], examples["train"][1], data_args)
     run_folder = None
     if training_args.do_train:
         run_folder = RunFolder(training_args.output_dir, training_args.resume_from_checkpoint,

@@ -3,6 +3,7 @@ any model loads: nothing is silently dropped, merged or re-typed. The model path
 that got as far as loading a model would fail on it instead."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -252,6 +253,42 @@ def test_labels_are_the_strings_they_are(tmp_path):
         labels_of(nli(tmp_path, ["1"]))
     # A CSV has no types: its numbers index --classes, as GLUE's files store them.
     assert labels_of(nli(tmp_path, ["neutral", 2], suffix=".csv")) == ["neutral", "contradiction"]
+
+
+@pytest.mark.parametrize("labels, suffix, flags, says", [
+    # Taken as written: nothing is stripped, and a CSV number is an index only as str(int) writes it.
+    ([" neutral"], ".csv", {}, "label ' neutral' is not one of --classes"),
+    (["02"], ".csv", {}, "label '02' is not one of --classes"),
+    (["\u00b2"], ".csv", {}, "label '\u00b2' is not one of --classes"),
+    # The integer 1 names the class "1" and indexes the class "2".
+    ([1], ".jsonl", {"classes": "1,2,3"}, "label 1 is ambiguous: the class named '1' or the class at index 1"),
+])
+def test_labels_are_never_reshaped(tmp_path, labels, suffix, flags, says):
+    with pytest.raises(CommandError, match=re.escape(says)):
+        labels_of(nli(tmp_path, labels, suffix=suffix), **flags)
+
+
+def test_integer_named_classes_at_their_own_index(tmp_path):
+    assert labels_of(nli(tmp_path, [0, 1]), classes="0,1") == ["0", "1"]
+    # A CSV's name wins over an index, as written: "1" is the class "1".
+    assert labels_of(nli(tmp_path, ["1", "2"], suffix=".csv"), classes="1,2,3") == ["1", "2"]
+
+
+@pytest.mark.parametrize("head", ["classifier", "text"])
+def test_one_class_is_refused(tmp_path, capsys, head):
+    # transformers would read num_labels=1 as a regression head.
+    line = error_of(capsys, classify.main, recipe_flags(tmp_path, nli(tmp_path, ["neutral"]), "--head", head,
+                                                        "--classes", "neutral"))
+    assert "--classes neutral: name at least two classes" in line and "regression" in line
+
+
+def test_every_class_is_in_the_training_rows(tmp_path, capsys):
+    # RTE's labels (0 entailment, 1 not entailment) under MNLI's three classes: 1 would train as "neutral".
+    data = nli(tmp_path, [0, 1, 1, 0])
+    line = error_of(capsys, classify.main, recipe_flags(tmp_path, data))
+    assert f"{data}: no training row holds the class 'contradiction' of --classes" in line
+    line = error_of(capsys, classify.main, recipe_flags(tmp_path, nli(tmp_path, [0, 1, 2]), "--max_train_samples", 2))
+    assert "no training row of the first 2 (--max_train_samples) holds the class 'contradiction'" in line
 
 
 # --------------------------------------------------------------------------------------------------------- flags

@@ -78,7 +78,7 @@ def predict(argv, progress):
     sources = table.texts(args.source_column, "--source_column")
     columns = {"source": sources}
     if args.reference_column:
-        columns["reference"] = [text.strip() for text in table.texts(args.reference_column, "--reference_column")]
+        columns["reference"] = table.texts(args.reference_column, "--reference_column")
     if args.device is not None:
         check_device(args.device)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
@@ -91,7 +91,8 @@ def predict(argv, progress):
                         length_penalty=args.length_penalty)
     predictions = [output["generated_text"].strip() for output in outputs]
     if args.reference_column:
-        print(json.dumps(exact_match(predictions, columns["reference"])))
+        # Compared stripped, as the generated texts are; the CSV keeps the references as written.
+        print(json.dumps(exact_match(predictions, [text.strip() for text in columns["reference"]])))
     write_predictions(args.output_file, {**columns, "prediction": predictions})
     return predictions
 

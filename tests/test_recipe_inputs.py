@@ -389,6 +389,22 @@ def test_predict_never_overwrites_its_input_or_a_folder(tmp_path, capsys, pairs,
     assert f"--output_file {tmp_path} is a folder" in line
 
 
+def test_predict_writes_references_as_written(tmp_path, capsys, model_folder, monkeypatch):
+    import transformers
+
+    def pipeline(*args, **kwargs):
+        return lambda texts, **flags: [{"generated_text": " le chat"} for _ in texts]
+
+    monkeypatch.setattr(transformers, "pipeline", pipeline)
+    data = write(tmp_path / "test.tsv", "source\ttarget\nthe cat\t le chat \nthe dog\tle chien\n")
+    argv = ["--model", model_folder, "--input_file", data, "--output_file", tmp_path / "out.csv",
+            "--reference_column", "target"]
+    assert predict.main([str(arg) for arg in argv]) == 0
+    # Scored stripped, as the generated text is; written as given.
+    assert json.loads(capsys.readouterr().out) == {"accuracy": 0.5}
+    assert read_table(tmp_path / "out.csv").columns["reference"] == [" le chat ", "le chien"]
+
+
 # ------------------------------------------------------------------------------------------------ worker errors
 
 class Failing(Dataset):

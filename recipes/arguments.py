@@ -72,6 +72,8 @@ class DataArguments:
                          "max_predict_samples")
         if self.dataset_name and any((self.train_file, self.validation_file, self.test_file)):
             raise CommandError("--dataset_name and the --*_file flags are exclusive: pass one or the other")
+        if self.dataset_config_name and not self.dataset_name:
+            raise CommandError("--dataset_config_name has no effect without --dataset_name")
 
 
 @dataclass

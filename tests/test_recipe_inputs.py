@@ -308,6 +308,7 @@ def test_every_class_is_in_the_training_rows(tmp_path, capsys):
     (["--tsv_quoting", "csv"], "--tsv_quoting csv has no effect without a .tsv data file"),
     (["--tsv_quoting", "tsv"], "invalid choice: 'tsv'"),
     (["--max_field_chars", "0"], "--max_field_chars 0: must be at least 1"),
+    (["--dataset_config_name", "de-en"], "--dataset_config_name has no effect without --dataset_name"),
 ])
 def test_seq2seq_flags(tmp_path, capsys, pairs, flags, says):
     assert says in error_of(capsys, translation.main, recipe_flags(tmp_path, pairs, *flags))

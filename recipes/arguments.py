@@ -4,14 +4,15 @@ Every recipe parses these dataclasses plus transformers' `Seq2SeqTrainingArgumen
 `HfArgumentParser`, so all Trainer flags (--output_dir, --max_steps, --bf16, --gradient_checkpointing,
 --deepspeed, --fsdp, ...) pass through unchanged.
 
-Only the standard library is imported here: a recipe's module imports this one, and torch, transformers and
-datasets load inside `convert.cli.run`, where Ctrl-C is handled.
+Only the standard library is imported here (recipes/data.py uses no more): a recipe's module imports this one,
+and torch, transformers and datasets load inside `convert.cli.run`, where Ctrl-C is handled.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from convert.cli import CommandError, run
+from recipes.data import MAX_FIELD_CHARS, TSV_QUOTING
 
 # FAT5's parameter names are T5's: attention projections and (gated) feed-forward layers.
 FAT5_LORA_TARGETS = "q,k,v,o,wi_0,wi_1,wo"
@@ -71,6 +72,33 @@ class DataArguments:
                          "max_predict_samples")
         if self.dataset_name and any((self.train_file, self.validation_file, self.test_file)):
             raise CommandError("--dataset_name and the --*_file flags are exclusive: pass one or the other")
+        if self.dataset_config_name and not self.dataset_name:
+            raise CommandError("--dataset_config_name has no effect without --dataset_name")
+
+
+@dataclass
+class FileFormatArguments:
+    """How data files are read (recipes/data.py), by every recipe and recipes.predict."""
+
+    tsv_quoting: str = field(default="none", metadata={
+        "help": "none: a .tsv is TSV, one row a line, fields split at tabs, quote characters kept as data; csv: "
+                "CSV quote rules with tabs (quoted values may hold tabs and line breaks)",
+        "choices": list(TSV_QUOTING)})
+    max_field_chars: int = field(default=MAX_FIELD_CHARS, metadata={
+        "help": "longest field (a CSV or TSV value, a JSON string) read from a data file, in characters; a longer "
+                "one is an error"})
+
+    def __post_init__(self):
+        require_positive(self, "max_field_chars")
+
+    def check_effect(self, paths):
+        """The flags act on the data files `paths` (None where not given): without one they would have no
+        effect, an error."""
+        paths = [str(path) for path in paths if path is not None]
+        if self.tsv_quoting != "none" and not any(path.lower().endswith(".tsv") for path in paths):
+            raise CommandError(f"--tsv_quoting {self.tsv_quoting} has no effect without a .tsv data file")
+        if self.max_field_chars != MAX_FIELD_CHARS and not paths:
+            raise CommandError("--max_field_chars has no effect without a data file")
 
 
 def source_target(table, data_args):
@@ -87,12 +115,15 @@ class Recipe:
     score(predictions, references) -> {metric: value}, on texts.
     classes(data_args) -> the label names when the recipe trains a classification head (targets are then one of
         them), or None when the model writes its targets.
+    check_training(table, targets, data_args): refuses training rows the recipe cannot learn from as they are
+        (classification: a class no training row holds), before the model loads.
     seq2seq: Seq2SeqTrainer and its flags, generating for evaluation; False: the plain Trainer, no --do_predict.
     """
 
     examples: Callable = source_target
     score: Callable | None = None
     classes: Callable | None = None
+    check_training: Callable | None = None
     data_arguments: type = DataArguments
     seq2seq: bool = True
 

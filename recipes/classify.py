@@ -7,8 +7,11 @@ FAT5ForSequenceClassification (encoder, mean pooling, linear head) on the same d
     python -m recipes.classify --model_name_or_path ./fat5-demo --output_dir out/nli --head text \\
         --train_file train.jsonl --validation_file dev.jsonl --do_train --do_eval [--lora]
 
-A label is a name in --classes; a JSON integer (or, in a CSV, a number) indexes --classes, as GLUE's MNLI stores
-them; JSON true / false are the names "true" / "false". Anything else is an error.
+A label is a name in --classes, as written (" neutral" is not "neutral"); a JSON integer (or, in a CSV, a number
+such as "2") indexes --classes, as GLUE's MNLI stores them; JSON true / false are the names "true" / "false".
+Anything else is an error, as are fewer than two classes, a class no training row holds (--classes would not fit
+the data: its integer labels would name the wrong classes) and a JSON integer that names one class and indexes
+another.
 """
 
 import json
@@ -36,6 +39,10 @@ class ClassificationArguments(DataArguments):
         names = class_names(self)
         if "" in names or len(set(names)) != len(names):
             raise CommandError(f"--classes {self.classes}: names must be non-empty and distinct")
+        if len(names) < 2:
+            # transformers reads num_labels=1 as a regression: --head classifier would train one without a word.
+            raise CommandError(f"--classes {self.classes}: name at least two classes (one leaves nothing to tell "
+                               f"apart, and a classifier head with one label is a regression)")
 
 
 def class_names(data_args):
@@ -46,10 +53,13 @@ def label_name(value, names, table, row):
     """A label as one of the class names (see the module docstring)."""
     if isinstance(value, bool):  # tested before int: True is an int to Python, not class 1
         value = json.dumps(value)
-    elif isinstance(value, str):
-        value = value.strip()
-        if not table.typed and value.isdigit() and value not in names:
-            value = int(value)
+    elif isinstance(value, int) and str(value) in names and names.index(str(value)) != value:
+        raise CommandError(f"{table.where(row)}: label {value} is ambiguous: the class named {str(value)!r} or "
+                           f"the class at index {value} of --classes {','.join(names)}; write labels as names "
+                           f"(JSON strings) or list integer-named classes at their own index")
+    elif isinstance(value, str) and not table.typed and value not in names:
+        # A CSV has no types: a number written as Python writes an int ("2", not "02" or " 2") indexes --classes.
+        value = next((index for index in range(len(names)) if str(index) == value), value)
     if isinstance(value, int) and 0 <= value < len(names):
         return names[value]
     if isinstance(value, str) and value in names:
@@ -67,12 +77,24 @@ def prompts_and_labels(table, data_args):
     return [f"premise: {p} hypothesis: {h}" for p, h in zip(premises, hypotheses, strict=True)], labels
 
 
+def every_class_trained(table, labels, data_args):
+    """A class no training row holds is a --classes that does not fit the data (integer labels would name the
+    wrong classes) and a class the model never sees."""
+    held = set(labels)
+    missing = [name for name in class_names(data_args) if name not in held]
+    if missing:
+        rows = f"of the first {len(table)} (--max_train_samples) " if data_args.max_train_samples else ""
+        raise CommandError(f"{table.name}: no training row {rows}holds the class{'es' if len(missing) > 1 else ''} "
+                           f"{', '.join(map(repr, missing))} of --classes {data_args.classes}; name the classes "
+                           f"this data holds, in the order of its integer labels")
+
+
 def classifier_classes(data_args):
     return class_names(data_args) if data_args.head == "classifier" else None
 
 
 RECIPE = Recipe(examples=prompts_and_labels, score=exact_match, classes=classifier_classes,
-                data_arguments=ClassificationArguments)
+                check_training=every_class_trained, data_arguments=ClassificationArguments)
 main = recipe_main(RECIPE)
 
 if __name__ == "__main__":

@@ -1,17 +1,29 @@
 """The recipes' data, read strictly: a row that does not parse, a value of another type than the rest of its
 column or a file that is not UTF-8 is an error naming the file and line, never a merged, dropped or re-typed row.
+Every byte of a value is kept: nothing is stripped, unquoted (a .tsv is TSV, not CSV) or normalised.
 
 Standard library only (see recipes/arguments.py): `datasets` is imported only for --dataset_name.
 """
 
+import codecs
 import csv
-import io
 import json
+import re
+from array import array
 from pathlib import Path
 
 from convert.cli import CommandError, error_line
 
 FORMATS = (".csv", ".tsv", ".json", ".jsonl")
+# How a .tsv is read: "none", as TSV (IANA text/tab-separated-values); "csv", with CSV quote rules.
+TSV_QUOTING = ("none", "csv")
+# The longest field read, in characters, unless --max_field_chars says otherwise: far above any text a model
+# trains on, low enough that a CSV quote left open stops the reading long before the rest of a large file has
+# become one field in memory.
+MAX_FIELD_CHARS = 1 << 24
+BYTE_ORDER_MARK = "\ufeff"
+LONE_CR = re.compile(rb"(?<=\r)(?!\n)")
+JSON_WHITESPACE = re.compile(r"[ \t\n\r]*")
 
 
 class Table:
@@ -52,101 +64,303 @@ class Table:
         return values
 
 
-def read_table(path):
-    """A .csv / .tsv / .json (a list of objects) / .jsonl file as a Table."""
+def read_table(path, tsv_quoting="none", max_field_chars=MAX_FIELD_CHARS):
+    """A .csv / .tsv / .json (a list of objects) / .jsonl file as a Table. The file is read as a stream: memory
+    holds the rows (the data) and about one record more, never a copy of the whole file."""
     path = Path(path)
-    if path.suffix.lower() not in FORMATS:
+    suffix = path.suffix.lower()
+    if suffix not in FORMATS:
         raise CommandError(f"{path}: unknown format (use {', '.join(FORMATS)})")
     if not path.is_file():
         raise CommandError(f"{path}: no such file")
-    raw = path.read_bytes()
-    try:
-        # utf-8-sig: a spreadsheet's byte-order mark must not become part of the first column's name.
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        line = raw[:error.start].count(b"\n") + 1
-        raise CommandError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[error.start]:02x}); save it as UTF-8") \
-            from None
-    if not text.strip():
-        raise CommandError(f"{path}: file is empty")
-    suffix = path.suffix.lower()
-    if suffix in (".csv", ".tsv"):
-        rows, lines = read_csv(path, text, "\t" if suffix == ".tsv" else ",")
-    elif suffix == ".jsonl":
-        rows, lines = read_jsonl(path, text)
-    else:
-        rows, lines = read_json(path, text), None
-    if not rows:
-        raise CommandError(f"{path}: no rows (only a header?)")
-    table = Table(str(path), {column: [row[column] for row in rows] for column in rows[0]}, lines,
-                  typed=suffix in (".json", ".jsonl"))
+    with path.open("rb") as file:
+        if suffix == ".json":
+            columns, count = read_json(path, file, max_field_chars)
+            lines = None
+        else:
+            if suffix == ".jsonl":
+                columns, lines = read_jsonl(path, text_lines(path, file), max_field_chars)
+            elif suffix == ".tsv" and tsv_quoting == "none":
+                columns, lines = read_tsv(path, text_lines(path, file), max_field_chars)
+            else:
+                # The csv module ends a record at a lone "\r" too: split there, so that its line count stays ours.
+                columns, lines = read_csv(path, text_lines(path, file, split_at_lone_cr=True),
+                                          "\t" if suffix == ".tsv" else ",", max_field_chars)
+            count = len(lines)
+    if not count:
+        raise CommandError(f"{path}: no rows{' (only a header?)' if suffix in ('.csv', '.tsv') else ''}")
+    table = Table(str(path), columns, lines, typed=suffix in (".json", ".jsonl"))
     check_types(table)
     return table
 
 
-def read_csv(path, text, delimiter):
-    """Rows as dicts and the line each starts on. Quoted fields may span lines; a row with another number of
+def text_lines(path, file, split_at_lone_cr=False):
+    """The lines of a UTF-8 file, each with its line end, decoded one at a time so that a byte that is not UTF-8
+    names its line. A line ends at "\n" (UTF-8 never uses that byte inside a character), and with
+    split_at_lone_cr also at a "\r" not followed by "\n"."""
+    number = 0
+    for raw in file:  # a binary file's lines end at b"\n" only
+        for piece in LONE_CR.split(raw) if split_at_lone_cr and b"\r" in raw else (raw,):
+            if not piece:  # what LONE_CR.split leaves after a "\r" that ends the file
+                continue
+            number += 1
+            if b"\0" in piece:
+                # UTF-16 text without a byte-order mark is valid UTF-8 with a NUL after every ASCII character.
+                raise CommandError(f"{path}:{number}: a NUL byte (UTF-16 text?); save it as UTF-8")
+            try:
+                text = piece.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise CommandError(f"{path}:{number}: not UTF-8 text (byte 0x{piece[error.start]:02x}); save it "
+                                   f"as UTF-8") from None
+            # A spreadsheet's byte-order mark must not become part of the first column's name.
+            yield text.removeprefix(BYTE_ORDER_MARK) if number == 1 else text
+
+
+def read_csv(path, lines, delimiter, max_field_chars):
+    """Columns and the line each row starts on. Quoted fields may span lines; a row with another number of
     fields than the header (an unclosed quote merges rows into one) is an error."""
-    # newline="": line ends inside quoted fields are kept as written, as the csv module requires.
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, strict=True)
-    rows, lines = [], []
+    reader = csv.reader(lines, delimiter=delimiter, strict=True)
+    # The csv module's limit is the process's: set for this file, then put back.
+    previous_limit = csv.field_size_limit(max_field_chars)
     start = 1
     try:
-        header = next(reader)
+        columns = header_columns(path, next(reader, None), delimiter, max_field_chars)
+        starts = array("q")
         start = reader.line_num + 1
         for fields in reader:
-            if fields and len(fields) != len(header):
-                spans = f"lines {start}-{reader.line_num}" if reader.line_num > start else f"line {start}"
-                raise CommandError(f"{path}:{start}: {len(fields)} fields where the header has {len(header)} "
-                                   f"({spans}; an unclosed quote or an unquoted '{delimiter}'?)")
-            if fields:
-                rows.append(dict(zip(header, fields, strict=True)))
-                lines.append(start)
+            if fields and len(fields) != len(columns):
+                raise CommandError(f"{path}:{start}: {len(fields)} fields where the header has {len(columns)} "
+                                   f"({line_span(start, reader.line_num)}; an unclosed quote or an unquoted "
+                                   f"{delimiter!r}?)")
+            if fields:  # the csv module's reading of an empty line: no record
+                for values, field in zip(columns.values(), fields, strict=True):
+                    values.append(field)
+                starts.append(start)
             start = reader.line_num + 1
     except csv.Error as error:
+        # The csv module's words for a field over its limit (a field it has read up to the limit, not further).
+        if str(error).startswith("field larger than field limit"):
+            spans = reader.line_num > start
+            raise field_too_long(f"{path}:{start}", max_field_chars, line_span(start, reader.line_num) + (
+                "; a quote left open makes the rest of the file one field" if spans else "")) from None
         raise CommandError(f"{path}:{start}: not valid CSV ({error}; an unclosed quote?)") from None
-    if len(set(header)) != len(header):
-        raise CommandError(f"{path}:1: the header names a column twice ({delimiter.join(header)})")
-    return rows, lines
+    finally:
+        csv.field_size_limit(previous_limit)
+    return columns, starts
 
 
-def read_jsonl(path, text):
-    rows, lines = [], []
-    # Lines end at "\n" only: JSON strings may hold other characters str.splitlines() would break at.
-    for number, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
+def read_tsv(path, lines, max_field_chars):
+    """Columns and the line of each row, read as TSV (IANA text/tab-separated-values): a line is a row, a tab
+    separates fields, nothing is quoted, so quote characters are data. An empty line is a row of one empty
+    field, so an error where the header has more columns."""
+    columns, starts = None, array("q")
+    for number, line in enumerate(lines, 1):
+        fields = without_line_end(line).split("\t")
+        if columns is None:
+            columns = header_columns(path, fields, "\t", max_field_chars)
             continue
+        if len(fields) != len(columns):
+            cause = "an empty line" if fields == [""] else "a tab missing or added, or a value cut by a line break"
+            raise CommandError(f"{path}:{number}: {len(fields)} fields where the header has {len(columns)} "
+                               f"({cause}?; a .tsv holds one row a line, --tsv_quoting csv reads quoted values)")
+        check_lengths(f"{path}:{number}", fields, max_field_chars)
+        for values, field in zip(columns.values(), fields, strict=True):
+            values.append(field)
+        starts.append(number)
+    if columns is None:
+        raise CommandError(f"{path}: file is empty")
+    return columns, starts
+
+
+def without_line_end(line):
+    """A TSV line without its "\n" or "\r\n" (a Windows line end: a value never ends with that "\r")."""
+    if line.endswith("\n"):
+        return line[:-2] if line.endswith("\r\n") else line[:-1]
+    return line
+
+
+def header_columns(path, names, delimiter, max_field_chars):
+    """{name: []} for a header's column names; a name given twice would merge two columns into one."""
+    if names is None:
+        raise CommandError(f"{path}: file is empty")
+    if names in ([], [""]):
+        raise CommandError(f"{path}:1: the first line, the header naming the columns, is empty")
+    check_lengths(f"{path}:1", names, max_field_chars)
+    if len(set(names)) != len(names):
+        raise CommandError(f"{path}:1: the header names a column twice ({delimiter.join(names)})")
+    return {name: [] for name in names}
+
+
+def check_lengths(where, fields, max_field_chars):
+    if fields and max(map(len, fields)) > max_field_chars:
+        raise field_too_long(where, max_field_chars)
+
+
+def field_too_long(where, max_field_chars, context=""):
+    return CommandError(f"{where}: a field longer than --max_field_chars={max_field_chars} characters"
+                        f"{f' ({context})' if context else ''}; raise --max_field_chars if it is meant to be")
+
+
+def line_span(start, end):
+    return f"lines {start}-{end}" if end > start else f"line {start}"
+
+
+def read_jsonl(path, lines, max_field_chars):
+    """Columns and the line of each row: one JSON object a line (JSON Lines). An empty line is an error, as
+    for a TSV: a line is a row."""
+    columns, starts = None, array("q")
+    # Lines end at "\n" only: JSON strings may hold other characters str.splitlines() would break at.
+    for number, line in enumerate(lines, 1):
+        where = f"{path}:{number}"
+        if not line.strip():
+            raise CommandError(f"{where}: an empty line (JSON Lines holds one object a line)")
         try:
-            row = json.loads(line)
+            row = decode_json(where, DECODER.decode, line)
         except json.JSONDecodeError as error:
-            raise CommandError(f"{path}:{number}: not JSON ({error.msg})") from None
-        check_row(path, f"{path}:{number}", row, rows)
-        rows.append(row)
-        lines.append(number)
-    return rows, lines
+            raise CommandError(f"{where}: not JSON ({error.msg})") from None
+        columns = add_row(columns, where, row, max_field_chars)
+        starts.append(number)
+    if columns is None:
+        raise CommandError(f"{path}: file is empty")
+    return columns, starts
 
 
-def read_json(path, text):
-    try:
-        rows = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise CommandError(f"{path}:{error.lineno}: not JSON ({error.msg})") from None
-    if not isinstance(rows, list):
+def read_json(path, file, max_field_chars):
+    """Columns and the number of rows of a .json file, one list of objects, parsed an object at a time."""
+    text = JsonText(path, file)
+    if text.next_character() == "":
+        raise CommandError(f"{path}: file is empty")
+    if text.next_character() != "[":
         raise CommandError(f"{path}: expected a list of objects, one a row")
-    for number, row in enumerate(rows, 1):
-        check_row(path, f"{path} row {number}", row, rows[:number - 1])
-    return rows
+    text.position += 1
+    columns, count = None, 0
+    after = text.next_character()
+    if after == "]":
+        text.position += 1
+    while after != "]":
+        count += 1
+        where = f"{path} row {count}"
+        columns = add_row(columns, where, text.value(where, max_field_chars), max_field_chars)
+        after = text.next_character()
+        if after not in (",", "]"):
+            raise CommandError(f"{path}:{text.line()}: not JSON (expected ',' or ']' after row {count})")
+        text.position += 1
+    if text.next_character() != "":
+        raise CommandError(f"{path}:{text.line()}: not JSON (more after the list)")
+    return columns or {}, count
 
 
-def check_row(path, where, row, previous):
-    """Every row is an object with the first row's keys: a key missing or added would drop or invent a value."""
+class JsonText:
+    """The text of a .json file, decoded a chunk at a time: `text[position:]` is what is not parsed yet, about
+    one row. Parsed text is dropped, its line ends counted for error messages."""
+
+    # Read at a time: far more than any JSON token a chunk's end can cut (an escape, a literal), which value()
+    # relies on.
+    CHUNK = 1 << 16
+
+    def __init__(self, path, file):
+        self.path, self.file = path, file
+        self.decoder = codecs.getincrementaldecoder("utf-8")()
+        self.text, self.position, self.dropped_lines, self.ended = "", 0, 0, False
+        self.read_more(0)
+        self.text = self.text.removeprefix(BYTE_ORDER_MARK)
+
+    def read_more(self, at_least):
+        chunk = self.file.read(max(self.CHUNK, at_least))
+        self.ended = not chunk
+        try:
+            new = self.decoder.decode(chunk, final=self.ended)
+        except UnicodeDecodeError as error:
+            line = self.line(len(self.text)) + error.object[:error.start].count(b"\n")
+            raise CommandError(f"{self.path}:{line}: not UTF-8 text (byte 0x{error.object[error.start]:02x}); "
+                               f"save it as UTF-8") from None
+        self.dropped_lines += self.text.count("\n", 0, self.position)
+        self.text = self.text[self.position:] + new
+        self.position = 0
+
+    def line(self, position=None):
+        """The line of `text[position]` (default: the next character to parse)."""
+        position = self.position if position is None else position
+        return self.dropped_lines + self.text.count("\n", 0, position) + 1
+
+    def next_character(self):
+        """Moves past JSON whitespace; the next character, or "" at the end of the file."""
+        while True:
+            self.position = JSON_WHITESPACE.match(self.text, self.position).end()
+            if self.position < len(self.text) or self.ended:
+                return self.text[self.position:self.position + 1]
+            self.read_more(0)
+
+    def value(self, where, max_field_chars):
+        """The JSON value at the next character, reading as far into the file as it needs."""
+        self.next_character()
+        last_error = None
+        while True:
+            try:
+                value, self.position = decode_json(where, DECODER.raw_decode, self.text, self.position)
+                return value
+            except json.JSONDecodeError as error:
+                # More text cannot mend an error that stays where it was once more text was read.
+                error_at = (error.msg, error.pos - self.position)
+                if self.ended or error_at == last_error and not error.msg.startswith("Unterminated string"):
+                    raise CommandError(f"{self.path}:{self.line(error.pos)}: not JSON ({error.msg})") from None
+                # A string left open would read the rest of the file: stop once it is longer than any field
+                # within the limit can be written (a character is at most 12 characters of JSON, "\\ud83d\\ude00").
+                if error.msg.startswith("Unterminated string") and \
+                        len(self.text) - error.pos > 12 * max_field_chars + 2:
+                    raise field_too_long(f"{self.path}:{self.line(error.pos)}", max_field_chars,
+                                         "a JSON string never closed?") from None
+                last_error = error_at
+                # At least as much again as is held: the attempts at a long row cost about two parses of it.
+                self.read_more(len(self.text) - self.position)
+
+
+class DuplicateKey(Exception):
+    """A JSON object names a key twice (raised inside the decoder, which does not know the row)."""
+
+
+def unique_keys(pairs):
+    """A JSON object as a dict; a key given twice is an error where json would keep the last value silently."""
+    row = dict(pairs)
+    if len(row) != len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(key)
+            seen.add(key)
+    return row
+
+
+DECODER = json.JSONDecoder(object_pairs_hook=unique_keys)
+
+
+def decode_json(where, decode, *text):
+    """decode(*text) (DECODER.decode or DECODER.raw_decode), where a key given twice or a value nested too deeply
+    is an error naming `where`; json.JSONDecodeError is the caller's to handle."""
+    try:
+        return decode(*text)
+    except DuplicateKey as error:
+        raise CommandError(f"{where}: an object names the key {error.args[0]!r} twice (one of its values would "
+                           f"be dropped)") from None
+    except RecursionError:
+        raise CommandError(f"{where}: not JSON this reader can read (nested too deeply)") from None
+
+
+def add_row(columns, where, row, max_field_chars):
+    """The columns ({key: list}, made from the first row's keys when None) with a JSON row appended. Every row
+    is an object with the first row's keys: a key missing or added would drop or invent a value."""
     if not isinstance(row, dict):
         raise CommandError(f"{where}: expected an object, got {type(row).__name__}")
-    if previous and list(row) != list(previous[0]):
-        missing = [key for key in previous[0] if key not in row]
-        extra = [key for key in row if key not in previous[0]]
-        if missing or extra:
-            raise CommandError(f"{where}: keys differ from the first row's (missing: {missing}, extra: {extra})")
+    if columns is None:
+        columns = {key: [] for key in row}
+    elif row.keys() != columns.keys():
+        missing = [key for key in columns if key not in row]
+        extra = [key for key in row if key not in columns]
+        raise CommandError(f"{where}: keys differ from the first row's (missing: {missing}, extra: {extra})")
+    check_lengths(where, [value for value in row.values() if isinstance(value, str)], max_field_chars)
+    for key, values in columns.items():
+        values.append(row[key])
+    return columns
 
 
 def check_types(table):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from convert.cli import CommandError, error_line, exit_with, run
-from recipes.arguments import require_positive
+from recipes.arguments import FileFormatArguments, require_positive
 from recipes.data import exact_match, read_table, write_predictions
 
 
@@ -70,14 +70,15 @@ def check_device(device):
 def predict(argv, progress):
     from recipes.runner import parse_flags  # heavy imports, once Ctrl-C is handled
 
-    (args,) = parse_flags((PredictArguments,), argv)
-    table = read_table(args.input_file)
+    args, format_args = parse_flags((PredictArguments, FileFormatArguments), argv)
+    format_args.check_effect([args.input_file])
+    table = read_table(args.input_file, format_args.tsv_quoting, format_args.max_field_chars)
     if args.max_predict_samples is not None:
         table = table.head(args.max_predict_samples)
     sources = table.texts(args.source_column, "--source_column")
     columns = {"source": sources}
     if args.reference_column:
-        columns["reference"] = [text.strip() for text in table.texts(args.reference_column, "--reference_column")]
+        columns["reference"] = table.texts(args.reference_column, "--reference_column")
     if args.device is not None:
         check_device(args.device)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
@@ -90,7 +91,8 @@ def predict(argv, progress):
                         length_penalty=args.length_penalty)
     predictions = [output["generated_text"].strip() for output in outputs]
     if args.reference_column:
-        print(json.dumps(exact_match(predictions, columns["reference"])))
+        # Compared stripped, as the generated texts are; the CSV keeps the references as written.
+        print(json.dumps(exact_match(predictions, [text.strip() for text in columns["reference"]])))
     write_predictions(args.output_file, {**columns, "prediction": predictions})
     return predictions
 

@@ -37,7 +37,7 @@ from fat5.training.run_folder import (
     RunInput,
     training_settings,
 )
-from recipes.arguments import ModelArguments
+from recipes.arguments import FileFormatArguments, ModelArguments
 from recipes.data import load_dataset_splits, read_table, write_predictions
 
 logger = logging.getLogger("recipes")
@@ -80,7 +80,7 @@ def parse_flags(dataclass_types, argv, **defaults):
         raise CommandError(error_line(error)) from None
 
 
-def check_flags(recipe, data_args, training_args, classes):
+def check_flags(recipe, data_args, format_args, training_args, classes):
     """A flag that would have no effect in this combination is an error, not silently ignored."""
     if not training_args.do_train:
         for flag in ("resume_from_checkpoint", "overwrite_output_dir", "resume_with_changed_settings"):
@@ -94,6 +94,7 @@ def check_flags(recipe, data_args, training_args, classes):
         for flag in (FILE_FLAGS[split], LIMIT_FLAGS[split]):
             if getattr(data_args, flag) is not None:
                 raise CommandError(f"--{flag} has no effect without --{do_flag}")
+    format_args.check_effect(getattr(data_args, flag) for flag in FILE_FLAGS.values())
     if not recipe.seq2seq:
         return
     generates = classes is None and training_args.predict_with_generate
@@ -105,7 +106,7 @@ def check_flags(recipe, data_args, training_args, classes):
         raise CommandError(f"{', '.join(given)} has no effect: {reason}")
 
 
-def load_splits(data_args, training_args):
+def load_splits(data_args, format_args, training_args):
     """{split: Table} for the splits the run needs, from files or a `datasets` name, cut to --max_*_samples."""
     wanted = [split for split, do_flag in SPLITS.items() if getattr(training_args, do_flag)]
     if not wanted:
@@ -118,7 +119,7 @@ def load_splits(data_args, training_args):
             path = getattr(data_args, FILE_FLAGS[split])
             if path is None:
                 raise CommandError(f"--{SPLITS[split]} needs {split} data: pass --{FILE_FLAGS[split]}")
-            tables[split] = read_table(path)
+            tables[split] = read_table(path, format_args.tsv_quoting, format_args.max_field_chars)
     for split, table in tables.items():
         limit = getattr(data_args, LIMIT_FLAGS[split])
         tables[split] = table if limit is None else table.head(limit)
@@ -282,21 +283,23 @@ def fine_tune(recipe, argv=None, progress=None):
     for its lifetime (fat5/training/run_folder.py); evaluation and prediction only add their results to it."""
     progress = progress or Progress()
     training_class = RecipeSeq2SeqTrainingArguments if recipe.seq2seq else RecipeTrainingArguments
-    model_args, data_args, training_args = parse_flags(
-        (ModelArguments, recipe.data_arguments, training_class), argv,
+    model_args, data_args, format_args, training_args = parse_flags(
+        (ModelArguments, recipe.data_arguments, FileFormatArguments, training_class), argv,
         **({"predict_with_generate": True} if recipe.seq2seq else {}))
     classes = recipe.classes(data_args) if recipe.classes else None
     if classes is not None:
         training_args.predict_with_generate = False
-    check_flags(recipe, data_args, training_args, classes)
-    tables = load_splits(data_args, training_args)
+    check_flags(recipe, data_args, format_args, training_args, classes)
+    tables = load_splits(data_args, format_args, training_args)
     examples = {split: recipe.examples(table, data_args) for split, table in tables.items()}
+    if recipe.check_training and "train" in tables:
+        recipe.check_training(tables["train"], examples["train"][1], data_args)
     run_folder = None
     if training_args.do_train:
         run_folder = RunFolder(training_args.output_dir, training_args.resume_from_checkpoint,
                                overwrite=training_args.overwrite_output_dir, resume_flag="last",
                                inputs=run_inputs(model_args, data_args, training_args, argv),
-                               settings=run_settings(model_args, data_args, training_args),
+                               settings=run_settings(model_args, data_args, format_args, training_args),
                                accept_changed_settings=training_args.resume_with_changed_settings,
                                check_changes=lambda changed: check_resumable_changes(changed, training_args))
     with run_folder.opened(training_args) if run_folder else nullcontext():
@@ -322,12 +325,12 @@ def run_inputs(model_args, data_args, training_args, argv):
     return inputs
 
 
-def run_settings(model_args, data_args, training_args):
-    """What shapes the training, recorded by the run folder and compared when the run resumes: the model and data
-    flags of training (the training file with its size) and Trainer's training settings."""
+def run_settings(model_args, data_args, format_args, training_args):
+    """What shapes the training, recorded by the run folder and compared when the run resumes: the model, data and
+    file-format flags of training (the training file with its size) and Trainer's training settings."""
     not_training = ("merge_lora", "validation_file", "test_file", "max_eval_samples", "max_predict_samples")
-    settings = {name: value for name, value in {**asdict(model_args), **asdict(data_args)}.items()
-                if name not in not_training}
+    flags = {**asdict(model_args), **asdict(data_args), **asdict(format_args)}
+    settings = {name: value for name, value in flags.items() if name not in not_training}
     if data_args.train_file and Path(data_args.train_file).is_file():
         settings["train_file"] = [data_args.train_file, Path(data_args.train_file).stat().st_size]
     return {**json.loads(json.dumps(settings, default=str)), **training_settings(training_args)}

@@ -9,8 +9,6 @@ Exported with the model code (it imports only transformers and the standard libr
 """
 
 import dataclasses
-import functools
-import inspect
 import re
 
 import transformers
@@ -27,10 +25,9 @@ logger = logging.get_logger(__name__)
 TESTED_TRANSFORMERS = ("4.57.6", "5.23.0", "5.24.0")
 
 # transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache` (the old name is
-# deprecated there). FAT5 returns the cache under the installed transformers' name, shows that name in its forward
-# signatures, and accepts either name as input on every release.
+# deprecated there). FAT5 returns the cache under the installed transformers' name and accepts either name as input
+# on every release (`either_cache`).
 CACHE_NAME = "cache" if "cache" in {field.name for field in dataclasses.fields(Seq2SeqLMOutput)} else "past_key_values"
-OTHER_CACHE_NAME = "past_key_values" if CACHE_NAME == "cache" else "cache"
 
 # transformers 5 initialises through `transformers.initialization`, which skips tensors loaded from a checkpoint;
 # 4.x initialises only modules whose weights are missing, with torch's functions.
@@ -44,26 +41,14 @@ except ImportError:
 HAS_GENERIC_GET_ENCODER = hasattr(PreTrainedModel, "get_encoder")
 
 
-def takes_cache_by_either_name(forward):
-    """Decorate a `forward(self, ..., cache=None, ...)`: its signature shows the cache argument under the installed
-    transformers' name (`CACHE_NAME`, in the position T5's forward has it), and a call may pass it under either
-    name. Passing both is an error, as in transformers."""
-    signature = inspect.signature(forward)
-    shown = signature.replace(parameters=[parameter.replace(name=CACHE_NAME) if parameter.name == "cache"
-                                          else parameter for parameter in signature.parameters.values()])
-
-    @functools.wraps(forward)
-    def with_either_cache_name(self, *args, **kwargs):
-        if "past_key_values" in kwargs:
-            legacy = kwargs.pop("past_key_values")
-            if legacy is not None and kwargs.get("cache") is not None:
-                raise ValueError("the cache was passed twice, as `cache` and as `past_key_values`: pass one")
-            if legacy is not None:
-                kwargs["cache"] = legacy
-        return forward(self, *args, **kwargs)
-
-    with_either_cache_name.__signature__ = shown
-    return with_either_cache_name
+def either_cache(cache, past_key_values):
+    """The cache a forward was given, under either name: FAT5's forwards take both `cache` (in the position T5's
+    forward has its cache argument) and `past_key_values` (a keyword), on every transformers release. Passing both
+    is an error, as in transformers. (Plain parameters rather than a renaming decorator: export tools such as
+    optimum take a forward with `__wrapped__` for transformers' own decorator and call what it wraps.)"""
+    if past_key_values is not None and cache is not None:
+        raise ValueError("the cache was passed twice, as `cache` and as `past_key_values`: pass one")
+    return past_key_values if cache is None else cache
 
 
 def cache_field(cache):

@@ -40,10 +40,10 @@ from .attention_fat5 import (
 from .compat_fat5 import (
     HAS_GENERIC_GET_ENCODER,
     cache_field,
+    either_cache,
     init,
     output_cache,
     static_cache_max_length,
-    takes_cache_by_either_name,
 )
 from .configuration_fat5 import FAT5Config
 from .loss_fat5 import linear_cross_entropy, seq2seq_lm_loss
@@ -568,12 +568,14 @@ class FAT5Stack(FAT5PreTrainedModel):
                               alibi_slopes=slopes, position_bias=dense_bias, rotary=rotary, segments=segments,
                               cross_segments=cross_segments)
 
-    @takes_cache_by_either_name
     def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 inputs_embeds=None, cache=None, use_cache=None, output_hidden_states=None,
-                output_attentions=None, return_dict=None, segment_ids=None, encoder_segment_ids=None, **kwargs):
+                output_attentions=None, return_dict=None, segment_ids=None, encoder_segment_ids=None,
+                past_key_values=None, **kwargs):
         """Arguments left as None take the config's values (`output_attentions`, `output_hidden_states`,
-        `return_dict`, and for the decoder `use_cache`), as transformers' T5 stacks do."""
+        `return_dict`, and for the decoder `use_cache`), as transformers' T5 stacks do. The cache comes as `cache`
+        or `past_key_values` (`compat_fat5.either_cache`)."""
+        cache = either_cache(cache, past_key_values)
         config = self.config
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
@@ -734,14 +736,14 @@ class FAT5Model(FAT5EncoderDecoderMixin, FAT5PreTrainedModel):
         self._build_encoder_decoder(config)
         self.post_init()
 
-    @takes_cache_by_either_name
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, cache=None, inputs_embeds=None, decoder_inputs_embeds=None,
                 use_cache=None, output_hidden_states=None, return_dict=None, output_attentions=None, segment_ids=None,
-                decoder_segment_ids=None, **kwargs):
+                decoder_segment_ids=None, past_key_values=None, **kwargs):
         encoder_outputs, decoder_outputs = self._encode_and_decode(
-            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, cache,
-            inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states, output_attentions=output_attentions,
+            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
+            either_cache(cache, past_key_values), inputs_embeds, decoder_inputs_embeds, use_cache,
+            output_hidden_states, output_attentions=output_attentions,
             segment_ids=segment_ids, decoder_segment_ids=decoder_segment_ids)
         return self._output(Seq2SeqModelOutput(
             last_hidden_state=decoder_outputs.last_hidden_state,
@@ -771,11 +773,10 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
     def set_output_embeddings(self, new_embeddings):
         self.lm_head = new_embeddings
 
-    @takes_cache_by_either_name
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, cache=None, inputs_embeds=None, decoder_inputs_embeds=None,
                 labels=None, use_cache=None, output_hidden_states=None, return_dict=None, num_items_in_batch=None,
-                output_attentions=None, segment_ids=None, decoder_segment_ids=None, **kwargs):
+                output_attentions=None, segment_ids=None, decoder_segment_ids=None, past_key_values=None, **kwargs):
         """Packed batches (several examples per row, see `fat5.training.packing`) pass `segment_ids` (B, L_enc)
         and `decoder_segment_ids` (B, L_dec): 1, 2, ... numbers a row's examples, 0 is padding. Each example then
         attends only to itself (decoder segment s to encoder segment s), positions restart at every segment, and
@@ -784,9 +785,10 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self._shift_right(labels, decoder_segment_ids)
         encoder_outputs, decoder_outputs = self._encode_and_decode(
-            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, cache,
-            inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states, output_attentions=output_attentions,
-            segment_ids=segment_ids, decoder_segment_ids=decoder_segment_ids)
+            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
+            either_cache(cache, past_key_values), inputs_embeds, decoder_inputs_embeds, use_cache,
+            output_hidden_states, output_attentions=output_attentions, segment_ids=segment_ids,
+            decoder_segment_ids=decoder_segment_ids)
         sequence_output = decoder_outputs.last_hidden_state
         if self.config.scale_decoder_outputs:
             # T5 v1.0 ties the LM head to the input embedding and rescales before it.

@@ -141,12 +141,13 @@ def test_assisted_and_prompt_lookup_generation_give_the_greedy_tokens(confident,
 
 
 def test_the_cache_goes_in_and_out_under_the_installed_name(converted):
-    """transformers 5.24 renamed `past_key_values` to `cache`: FAT5's outputs and forward signatures use the
-    installed name (in T5's position), and a forward takes the cache by either name."""
+    """transformers 5.24 renamed `past_key_values` to `cache`: FAT5's outputs use the installed name, and its
+    forwards take the cache by either name on every release (`cache` in the position of T5's cache argument)."""
     reference, model = converted["flan-t5"]
     for forward in (model.forward, model.get_decoder().forward):
         parameters = list(inspect.signature(forward).parameters)
-        assert CACHE_NAME in parameters and compat_fat5.OTHER_CACHE_NAME not in parameters, parameters
+        assert {"cache", "past_key_values"} <= set(parameters), parameters
+        assert not hasattr(forward, "__wrapped__")  # export tools unwrap what they take for transformers' decorators
     inputs = encoder_inputs(reference.config.vocab_size)
     decoder_input_ids = torch.tensor([[0, 5, 7, 9]] * 3)
     with torch.no_grad():

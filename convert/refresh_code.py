@@ -65,6 +65,7 @@ def check_folder(folder):
 
 def refresh(args, progress):
     from convert.checkpoint import read_config
+    from convert.files import check_model_folder
     from fat5.remote_code_fat5 import StagedFolder, write_remote_code
 
     folder = Path(args.folder)
@@ -73,6 +74,7 @@ def refresh(args, progress):
     config = read_config(folder)
     if config.get("model_type") != "fat5":
         raise CommandError(f"{folder} is not a FAT5 folder (config.json model_type {config.get('model_type')!r})")
+    check_model_folder(folder)  # the check loads it: a bad file is one line now, not a traceback then
     if args.push_to_hub:
         from convert.hub import check_push_access
 

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from convert.cli import CommandError, error_line
+from convert.files import read_bytes
 
 FORMATS = (".csv", ".tsv", ".json", ".jsonl")
 
@@ -57,9 +58,7 @@ def read_table(path):
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
         raise CommandError(f"{path}: unknown format (use {', '.join(FORMATS)})")
-    if not path.is_file():
-        raise CommandError(f"{path}: no such file")
-    raw = path.read_bytes()
+    raw = read_bytes(path)
     try:
         # utf-8-sig: a spreadsheet's byte-order mark must not become part of the first column's name.
         text = raw.decode("utf-8-sig")

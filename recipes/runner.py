@@ -5,7 +5,6 @@ metric and, for a classification head, the class names.
 Every input is read and checked before the model loads, so bad input costs seconds and ends with one `error:` line.
 """
 
-import json
 import logging
 import sys
 from contextlib import contextmanager, nullcontext
@@ -29,6 +28,7 @@ from transformers import (
 )
 
 from convert.cli import CommandError, Progress, error_line
+from convert.files import CHECKPOINT_JSON, check_model_folder, pickles_refused, read_json_object
 from fat5.training.run_folder import OverwriteOutputDirArgument, RunFolder, RunFolderTrainerMixin
 from recipes.arguments import ModelArguments
 from recipes.data import load_dataset_splits, read_table, write_predictions
@@ -38,6 +38,9 @@ SPLITS = {"train": "do_train", "validation": "do_eval", "test": "do_predict"}
 FILE_FLAGS = {"train": "train_file", "validation": "validation_file", "test": "test_file"}
 LIMIT_FLAGS = {"train": "max_train_samples", "validation": "max_eval_samples", "test": "max_predict_samples"}
 GENERATION_FLAGS = ("generation_max_length", "generation_num_beams", "generation_config")
+# What to do with a checkpoint whose optimizer, scheduler or RNG state is a pickle of more than tensors.
+RESUME_ADVICE = "resume from a checkpoint FAT5 wrote instead, or fine-tune its weights in a new run " \
+                "(--model_name_or_path)"
 
 
 @dataclass
@@ -67,7 +70,7 @@ def parse_flags(dataclass_types, argv, **defaults):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if len(argv) == 1 and argv[0].endswith(".json"):
-            return parser.parse_dict({**defaults, **json.loads(Path(argv[0]).read_text(encoding="utf-8"))})
+            return parser.parse_dict({**defaults, **read_json_object(argv[0], "the flags file ")})
         return parser.parse_args_into_dataclasses(argv)
     except ValueError as error:  # unknown flags, and TrainingArguments' own checks
         raise CommandError(error_line(error)) from None
@@ -147,14 +150,15 @@ def encode(tokenizer, inputs, targets, data_args, classes, table):
 
 def load_model(model_args, training_args, classes):
     """The model to fine-tune (with a LoRA adapter on FAT5's projections when --lora)."""
-    if classes is None:
-        model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
-        task_type, modules_to_save = "SEQ_2_SEQ_LM", None
-    else:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            model_args.model_name_or_path, trust_remote_code=True, num_labels=len(classes),
-            id2label=dict(enumerate(classes)), label2id={name: index for index, name in enumerate(classes)})
-        task_type, modules_to_save = "SEQ_CLS", ["classification_head"]
+    with pickles_refused(f"the weights file of {model_args.model_name_or_path}"):
+        if classes is None:
+            model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
+            task_type, modules_to_save = "SEQ_2_SEQ_LM", None
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(
+                model_args.model_name_or_path, trust_remote_code=True, num_labels=len(classes),
+                id2label=dict(enumerate(classes)), label2id={name: index for index, name in enumerate(classes)})
+            task_type, modules_to_save = "SEQ_CLS", ["classification_head"]
     if not model_args.lora:
         return model
     from peft import LoraConfig, get_peft_model
@@ -271,6 +275,7 @@ def fine_tune(recipe, argv=None, progress=None):
     check_flags(recipe, data_args, training_args, classes)
     tables = load_splits(data_args, training_args)
     examples = {split: recipe.examples(table, data_args) for split, table in tables.items()}
+    check_model_folder(model_args.model_name_or_path)  # before transformers and the tokenizer read it
     run_folder = None
     if training_args.do_train:
         run_folder = RunFolder(training_args.output_dir, training_args.resume_from_checkpoint,
@@ -283,6 +288,9 @@ def fine_tune(recipe, argv=None, progress=None):
 
 
 def train_evaluate_predict(recipe, model_args, data_args, training_args, classes, tables, examples, run_folder):
+    resume = run_folder.resume_checkpoint if run_folder else None
+    if resume:
+        check_model_folder(resume, also=CHECKPOINT_JSON)  # before Trainer reads them
     setup_logging(training_args)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
     encoded = {split: encode(tokenizer, *examples[split], data_args, classes, tables[split]) for split in tables}
@@ -301,7 +309,10 @@ def train_evaluate_predict(recipe, model_args, data_args, training_args, classes
         compute_metrics=text_metrics(tokenizer, classes, recipe.score) if scores else None)
     with one_line_worker_errors(), progress_bars_closed_on_interrupt(trainer):
         if training_args.do_train:
-            finish(trainer, "train", trainer.train(resume_from_checkpoint=run_folder.resume_checkpoint).metrics)
+            # Trainer loads a checkpoint's optimizer, scheduler and RNG states with torch.load(weights_only=True).
+            with pickles_refused(f"--resume_from_checkpoint {resume}", RESUME_ADVICE):
+                metrics = trainer.train(resume_from_checkpoint=resume).metrics
+            finish(trainer, "train", metrics)
             save(trainer, tokenizer, model_args, training_args)
             run_folder.finished = True
         if training_args.do_eval:

@@ -4,6 +4,8 @@
   one line `error: ...` on stderr, exit status 2 (`EXIT_BAD_INPUT`).
 - A self-check that found the command's own result wrong (`CheckFailed`: a conversion's logits parity, the demo's
   answers): one line `error: ...`, exit status 1 (`EXIT_CHECK_FAILED`).
+- Output that cannot be written (`WriteFailed`: a full disk during a checkpoint or an export): one line
+  `error: writing ... failed (...); <what the output folder holds>`, exit status 2.
 - Ctrl-C at any moment, imports included: one line `interrupted: <what the output folder holds>` on stderr,
   exit status 130 (`EXIT_INTERRUPTED`).
 - Anything else is a bug in FAT5 and keeps its traceback.
@@ -30,6 +32,11 @@ class CommandError(Exception):
 
 class CheckFailed(CommandError):
     """The command checked its own result and found it wrong: one `error:` line, exit status 1."""
+
+
+class WriteFailed(CommandError):
+    """Writing the command's output failed (a full disk, a quota, a lost mount): one `error:` line that goes on to
+    say what the output folder holds, exit status 2."""
 
 
 class CliParser(argparse.ArgumentParser):
@@ -117,7 +124,10 @@ def run(command, argv=None):
             return EXIT_INTERRUPTED
         if not isinstance(error, (CommandError, OSError)):
             raise
-        print(f"error: {error_line(error)}", file=sys.stderr)
+        line = error_line(error)
+        if isinstance(error, WriteFailed):
+            line = f"{line}; {progress.describe()}"
+        print(f"error: {line}", file=sys.stderr)
         return EXIT_CHECK_FAILED if isinstance(error, CheckFailed) else EXIT_BAD_INPUT
     finally:
         _interruptions.clear()

@@ -17,6 +17,7 @@ from convert.cli import CommandError, error_line
 from convert.files import check_model_folder, read_text
 from convert.hub import render_model_card
 from convert.parity import verify_parity
+from convert.safety import write_failures_reported
 from fat5.remote_code_fat5 import mark_as_package, write_remote_code
 
 TOKENIZER_FILES = ("spiece.model", "sentencepiece.bpe.model", "tokenizer.json", "tokenizer_config.json",
@@ -180,12 +181,14 @@ def export(plan, source_folder, output, *, dtype=None, attention_backend="auto",
                 repo_id=repo_id, convert_command=convert_command)
     check_card_renders(card)
     with output as staging:
-        write_safetensors_streaming(plan, staging, dtype, max_bytes, allow_non_finite)
-        export_config(plan, staging, dtype, attention_backend)
-        copy_side_files(source_folder, staging, plan.source_config)
-        write_remote_code(staging)
+        with write_failures_reported(output.out, staging.parent):
+            write_safetensors_streaming(plan, staging, dtype, max_bytes, allow_non_finite)
+            export_config(plan, staging, dtype, attention_backend)
+            copy_side_files(source_folder, staging, plan.source_config)
+            write_remote_code(staging)
         difference, sample = verify_parity(source_folder, staging, dtype) if verify else (None, None)
-        render_model_card(staging, **card, parity_max_abs_diff=difference, parity_sample=sample)
+        with write_failures_reported(output.out, staging.parent):
+            render_model_card(staging, **card, parity_max_abs_diff=difference, parity_sample=sample)
         output.commit()
     return difference, sample
 

@@ -67,10 +67,13 @@ def export(args, progress):
     register_fat5_onnx_config()
     from optimum.exporters.onnx import main_export
 
+    from convert.safety import write_failures_reported
+
     progress.describe = lambda: f"{out} may hold a partial export: delete it"
     # optimum loads the folder's own remote code, reruns the exported graphs on fresh inputs and checks them against
     # PyTorch's outputs (do_validation) before returning.
-    main_export(args.folder, out, task=args.task, opset=args.opset, trust_remote_code=True)
+    with write_failures_reported(out, out.resolve().parent):
+        main_export(args.folder, out, task=args.task, opset=args.opset, trust_remote_code=True)
     print(f"Wrote {out}: load it with optimum.onnxruntime.ORTModelForSeq2SeqLM.from_pretrained(OUT, "
           "trust_remote_code=True)")
 

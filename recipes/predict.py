@@ -86,6 +86,8 @@ def predict(argv, progress):
 
     from transformers import pipeline
 
+    from convert.safety import write_failures_reported
+
     with pickles_refused(f"the weights file of {args.model}"):
         generator = pipeline("text2text-generation", model=args.model, trust_remote_code=True, device=args.device)
     outputs = generator([args.source_prefix + text for text in sources], batch_size=args.batch_size,
@@ -94,7 +96,8 @@ def predict(argv, progress):
     predictions = [output["generated_text"].strip() for output in outputs]
     if args.reference_column:
         print(json.dumps(exact_match(predictions, columns["reference"])))
-    write_predictions(args.output_file, {**columns, "prediction": predictions})
+    with write_failures_reported(args.output_file, Path(args.output_file).resolve().parent):
+        write_predictions(args.output_file, {**columns, "prediction": predictions})
     return predictions
 
 

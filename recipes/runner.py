@@ -29,7 +29,9 @@ from transformers import (
 
 from convert.cli import CommandError, Progress, error_line
 from convert.files import CHECKPOINT_JSON, check_model_folder, pickles_refused, read_json_object
+from convert.safety import write_failures_reported
 from fat5.training.run_folder import OverwriteOutputDirArgument, RunFolder, RunFolderTrainerMixin
+from fat5.training.trainer import CheckpointWriteFailuresMixin
 from recipes.arguments import ModelArguments
 from recipes.data import load_dataset_splits, read_table, write_predictions
 
@@ -53,7 +55,7 @@ class RecipeTrainingArguments(TrainingArguments, OverwriteOutputDirArgument):
     pass
 
 
-class RecipeTrainer(RunFolderTrainerMixin, Trainer):
+class RecipeTrainer(CheckpointWriteFailuresMixin, RunFolderTrainerMixin, Trainer):
     """Trainer whose checkpoints are atomic and belong to this run (fat5/training/run_folder.py)."""
 
 
@@ -177,7 +179,7 @@ def load_model(model_args, training_args, classes):
     return model
 
 
-class RecipeSeq2SeqTrainer(RunFolderTrainerMixin, Seq2SeqTrainer):
+class RecipeSeq2SeqTrainer(CheckpointWriteFailuresMixin, RunFolderTrainerMixin, Seq2SeqTrainer):
     """Seq2SeqTrainer with the run folder's checkpoints, whose --generation_max_length holds even when the
     model's generation config sets max_new_tokens (which generate() would prefer to Seq2SeqTrainer's max_length)."""
 
@@ -248,17 +250,20 @@ def progress_bars_closed_on_interrupt(trainer):
 def save(trainer, tokenizer, model_args, training_args):
     """The model (or LoRA adapter) and tokenizer in --output_dir; with --merge_lora also the merged model in
     OUTPUT_DIR/merged."""
-    trainer.save_model()
+    with write_failures_reported("the final model", training_args.output_dir):
+        trainer.save_model()
     if model_args.merge_lora and trainer.is_world_process_zero():
         merged_dir = Path(training_args.output_dir) / "merged"
-        trainer.model.merge_and_unload().save_pretrained(merged_dir)
-        tokenizer.save_pretrained(merged_dir)
+        with write_failures_reported("the merged model", training_args.output_dir):
+            trainer.model.merge_and_unload().save_pretrained(merged_dir)
+            tokenizer.save_pretrained(merged_dir)
         logger.info("LoRA merged into %s", merged_dir)
 
 
 def finish(trainer, split, metrics):
     trainer.log_metrics(split, metrics)
-    trainer.save_metrics(split, metrics)
+    with write_failures_reported(f"the {split} metrics", trainer.args.output_dir):
+        trainer.save_metrics(split, metrics)
 
 
 def fine_tune(recipe, argv=None, progress=None):
@@ -322,7 +327,8 @@ def train_evaluate_predict(recipe, model_args, data_args, training_args, classes
             finish(trainer, "test", output.metrics)
             if trainer.is_world_process_zero() and (generates or classes is not None):
                 inputs, references = examples["test"]
-                write_predictions(Path(training_args.output_dir) / "predictions.csv",
-                                  {"source": inputs, "reference": references,
-                                   "prediction": output_texts(tokenizer, classes, output.predictions)})
+                with write_failures_reported("predictions.csv", training_args.output_dir):
+                    write_predictions(Path(training_args.output_dir) / "predictions.csv",
+                                      {"source": inputs, "reference": references,
+                                       "prediction": output_texts(tokenizer, classes, output.predictions)})
     return trainer

@@ -32,6 +32,7 @@ from transformers.utils.logging import disable_progress_bar
 
 from convert.cli import EXIT_BAD_INPUT, CommandError, error_line, exit_with, run
 from convert.files import CHECKPOINT_JSON, check_model_folder, pickles_refused
+from convert.safety import write_failures_reported
 
 from .data import DenoisingDataset, Documents, add_missing_tokens, train_sentencepiece
 from .denoising import MIXTURES, DenoisingMixture, sentinel_token_ids
@@ -167,7 +168,9 @@ def trained_tokenizer(args, training_args, documents, prefixes):
         tokenizer = AutoTokenizer.from_pretrained(trained)
     else:
         print(f"training a {args.tokenizer_vocab_size}-token sentencepiece tokenizer into {trained}")
-        tokenizer = train_sentencepiece(documents, trained, args.tokenizer_vocab_size, args.tokenizer_train_documents)
+        with write_failures_reported(f"the tokenizer {trained}", training_args.output_dir):
+            tokenizer = train_sentencepiece(documents, trained, args.tokenizer_vocab_size,
+                                            args.tokenizer_train_documents)
     add_missing_tokens(tokenizer, prefixes, None, True)
     return tokenizer
 
@@ -291,7 +294,8 @@ def train(args, training_args, tokenizer, dataset, run_folder):
     # Trainer loads a checkpoint's optimizer, scheduler and RNG states with torch.load(weights_only=True).
     with worker_errors_as_one_line(), pickles_refused(f"--resume_from_checkpoint {resume}", RESUME_ADVICE):
         trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model(training_args.output_dir)
+    with write_failures_reported("the final model", training_args.output_dir):
+        trainer.save_model(training_args.output_dir)
     run_folder.finished = True
     say(f"saved the model and tokenizer to {training_args.output_dir}")
 

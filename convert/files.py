@@ -78,9 +78,9 @@ def read_json_object(path, what=""):
 
 
 def check_model_folder(folder, also=()):
-    """Read every JSON file of a local model folder that its loaders parse (MODEL_FOLDER_JSON, and `also`) and the
-    header of every safetensors file, so a bad one is one line naming it before anything loads. A name that is not
-    a local folder (a Hub id) is left to the loader."""
+    """Read every JSON file of a local model folder that its loaders parse (MODEL_FOLDER_JSON, and `also`), the
+    header of every safetensors file and the structure of every pytorch_model*.bin, so a bad one is one line naming
+    it before anything loads. A name that is not a local folder (a Hub id) is left to the loader."""
     folder = Path(folder)
     if not folder.is_dir():
         return
@@ -89,6 +89,8 @@ def check_model_folder(folder, also=()):
             read_json_object(folder / name)
     for weights in sorted(folder.glob("*.safetensors")):
         check_safetensors(weights)
+    for weights in sorted(folder.glob("pytorch_model*.bin")):
+        check_pickled_weights(weights)
 
 
 def check_safetensors(path):
@@ -105,6 +107,22 @@ def check_safetensors(path):
         raise CommandError(f"cannot read {path}: corrupt or truncated weights ({error_line(error)})") from None
     except OSError as error:  # permissions, a lost mount
         raise CommandError(f"cannot read {path}: {error.strerror or error_line(error)}") from None
+
+
+def check_pickled_weights(path):
+    """Load a pytorch_model.bin as transformers does (torch.load(weights_only=True)), memory-mapped so that no
+    tensor data is read: a corrupt or truncated file, or a pickle that holds more than tensors, is one line naming
+    it (transformers 5 lets torch's error through with its traceback)."""
+    import torch
+
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # torch raises several unrelated types for bad files
+        if refused_pickle(error) is not None:
+            raise pickle_refusal(path, error) from None
+        if "_use_new_zipfile_serialization" in str(error):
+            return  # torch's legacy format cannot be memory-mapped: it is left to the loader
+        raise CommandError(f"cannot read {path}: corrupt or truncated weights ({error_line(error)})") from None
 
 
 def refused_pickle(error):

@@ -114,12 +114,19 @@ def test_a_model_card_that_is_not_utf8_is_one_line(folders, tmp_path, capsys):
     assert f"{card}:4: not UTF-8 text (byte 0xe9 at column 6)" in line, line
 
 
+@pytest.mark.parametrize("weights, says", [
+    ("model.safetensors", "model.safetensors: corrupt or truncated weights (Error while deserializing header: "),
+    ("pytorch_model.bin", "pytorch_model.bin: corrupt or truncated weights (PytorchStreamReader failed reading zip "
+                          "archive"),
+])
 @pytest.mark.parametrize("case", ["back", "refresh", "onnx", "pretrain-checkpoint", "recipe", "predict"])
-def test_truncated_weights_are_one_line_naming_them(folders, tmp_path, capsys, case):
-    main, argv, weights = command_with(f"{case}:model.safetensors", folders, tmp_path)
-    weights.write_bytes(weights.read_bytes()[:-100])
+def test_truncated_weights_are_one_line_naming_them(folders, tmp_path, capsys, case, weights, says):
+    main, argv, path = command_with(f"{case}:{weights}", folders, tmp_path)
+    if weights == "pytorch_model.bin":
+        with_pickled_weights(tmp_path / "model", extra={})
+    path.write_bytes(path.read_bytes()[:-100])
     line = one_error_line(capsys, main, argv)
-    assert "model.safetensors: corrupt or truncated weights (Error while deserializing header: " in line, line
+    assert says in line, line
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file whatever its permissions")
@@ -136,10 +143,10 @@ def test_an_unreadable_file_is_one_line_naming_it(folders, tmp_path, capsys, cas
 
 # -- pickles -----------------------------------------------------------------------------------------------------
 
-def with_pickled_weights(folder):
-    """`folder`'s weights as a pytorch_model.bin that also pickles a date: torch.load(weights_only=True) refuses
-    it, and torch's message then offers weights_only=False, which must never reach a user of a file from
-    elsewhere."""
+def with_pickled_weights(folder, extra=None):
+    """`folder`'s weights as a pytorch_model.bin that also pickles `extra` (default: a date, which
+    torch.load(weights_only=True) refuses, its message then offering weights_only=False, which must never reach a
+    user of a file from elsewhere)."""
     import datetime
 
     import torch
@@ -147,7 +154,8 @@ def with_pickled_weights(folder):
 
     state = load_file(folder / "model.safetensors")
     (folder / "model.safetensors").unlink()
-    torch.save({**state, "made": datetime.date(2020, 1, 1)}, folder / "pytorch_model.bin")
+    torch.save({**state, **({"made": datetime.date(2020, 1, 1)} if extra is None else extra)},
+               folder / "pytorch_model.bin")
 
 
 @pytest.mark.parametrize("case", ["flan", "pretrain-checkpoint", "recipe", "predict"])

@@ -7,7 +7,8 @@ belongs, safetensors' error for truncated weights), or is silently skipped (a ba
 `check_model_folder` reads those files first.
 Refused pickles are said here too, once, in words that never suggest loading them unsafely.
 
-Only the standard library is imported here (see convert/cli.py).
+Only the standard library is imported with this module (see convert/cli.py); the checks of weight files import
+safetensors and torch when they run.
 """
 
 import json

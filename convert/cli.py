@@ -98,6 +98,11 @@ def run(command, argv=None):
     def on_signal(number, frame):
         _interruptions.append(number)
         if os.getpid() == main_process:
+            if number == signal.SIGTERM:
+                # A SIGTERM to the process group also ends the DataLoader workers, and torch's SIGCHLD handler would
+                # report each end as an error wherever this process then is, even while it prints its one line or
+                # exits: they are expected now. (Left so: the command is over.)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             # SIGTERM raises KeyboardInterrupt too, so that every clean-up written for a Ctrl-C runs for it
             # (staging folders, progress bars, the run folder's lock); `stopped` tells them apart.
             raise KeyboardInterrupt
@@ -122,11 +127,14 @@ def run(command, argv=None):
         if not _interruptions:
             previous_unraisable(report)
 
-    def on_uncaught(*exc_info):
+    def on_uncaught(exc_type, *exc_info):
         # In a forked worker after a Ctrl-C, what it broke is no bug to report: a worker's thread handing a batch to
-        # its main process, which the Ctrl-C interrupted, reports the closed connection through sys.excepthook.
-        if not (_interruptions and os.getpid() != main_process):
-            previous_excepthook(*exc_info)
+        # its main process, which the Ctrl-C interrupted, reports the closed connection through sys.excepthook. The
+        # same report comes when only the main process got the signal (`kill PID`): a connection its main process
+        # closed is never a forked worker's to report.
+        forked = os.getpid() != main_process
+        if not (forked and (_interruptions or issubclass(exc_type, ConnectionError))):
+            previous_excepthook(exc_type, *exc_info)
 
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {number: signal.signal(number, on_signal) for number in STOPPED_BY} if in_main_thread else {}

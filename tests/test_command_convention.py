@@ -69,11 +69,16 @@ def test_sigterm_is_handled_as_ctrl_c_with_its_own_word_and_status(capsys):
         finally:
             cleaned.append("staging folder removed")
 
-    before = signal.getsignal(signal.SIGTERM)
-    assert run(command, []) == EXIT_TERMINATED == 143
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGCHLD)
+    try:
+        assert run(command, []) == EXIT_TERMINATED == 143
+        # torch's SIGCHLD handler would report the DataLoader workers the SIGTERM also ended.
+        assert signal.getsignal(signal.SIGCHLD) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGCHLD, before[1])
     assert cleaned
     assert capsys.readouterr().err.splitlines() == ["terminated: OUT holds checkpoint-2"]
-    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the command's only
+    assert signal.getsignal(signal.SIGTERM) is before[0]  # the handler is the command's only
 
 
 def test_a_forked_child_ends_on_sigterm_without_a_word(capfd):
@@ -93,6 +98,26 @@ def test_a_forked_child_ends_on_sigterm_without_a_word(capfd):
 
     assert run(command, []) == 0
     assert capfd.readouterr().err == ""
+
+
+def test_a_forked_worker_never_reports_the_connection_its_main_process_closed(capfd):
+    """When only the main process gets the signal (`kill PID`), a worker's thread still finds the connection a batch
+    was travelling on closed: not the worker's to report. Its other reports are."""
+
+    def command(argv, progress):
+        child = os.fork()
+        if child == 0:
+            error = ConnectionResetError("the main process closed the connection")
+            sys.excepthook(type(error), error, None)
+            error = ValueError("a worker's own failure")
+            sys.excepthook(type(error), error, None)
+            sys.stderr.flush()
+            os._exit(0)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+
+    assert run(command, []) == 0
+    assert capfd.readouterr().err.strip().splitlines() == ["ValueError: a worker's own failure"]
 
 
 def test_sigterm_while_converting_leaves_nothing_and_says_so(tmp_path):

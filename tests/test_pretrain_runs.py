@@ -188,10 +188,12 @@ def test_ctrl_c_says_what_the_folder_holds(tiny, tmp_path):
                         r"checkpoint \(continue with --resume_from_checkpoint latest\)", last), last
 
 
-def test_sigterm_to_the_process_group_says_what_the_folder_holds(tiny, tmp_path):
-    """SIGTERM to the whole process group (a job scheduler, a container stopping), DataLoader workers included:
-    one `terminated:` line, exit status 143. torch's workers end on it at once, quietly; the main process says
-    nothing of them (not even when a finaliser meets a dead worker as Python exits)."""
+@pytest.mark.parametrize("to_the_group", [True, False], ids=["process-group", "main-process"])
+def test_sigterm_says_what_the_folder_holds(tiny, tmp_path, to_the_group):
+    """SIGTERM to the whole process group (a job scheduler, a container stopping), DataLoader workers included, or to
+    the main process alone (`kill PID`): one `terminated:` line, exit status 143. torch's workers end on it at once,
+    quietly; the main process says nothing of them (not even when a finaliser meets a dead worker as Python exits),
+    nor do they of the connection it closed."""
     out = tmp_path / "run"
     process = subprocess.Popen([sys.executable, "-m", "fat5.training.pretrain",
                                 *tiny_flags(tiny, out, 100000, "--dataloader_num_workers", 2)],
@@ -202,7 +204,7 @@ def test_sigterm_to_the_process_group_says_what_the_folder_holds(tiny, tmp_path)
         while not (out / "checkpoint-2").is_dir() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert process.poll() is None, process.stderr.read()[-3000:]
-        os.killpg(process.pid, signal.SIGTERM)
+        (os.killpg if to_the_group else os.kill)(process.pid, signal.SIGTERM)
         _, stderr = process.communicate(timeout=120)
     finally:
         if process.poll() is None:

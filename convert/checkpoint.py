@@ -9,7 +9,6 @@ with the right shape, and anything else is an error that names the tensor. Tenso
 """
 
 import contextlib
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from convert.cli import CommandError, error_line
+from convert.files import pickle_refusal, read_json_object, refused_pickle
 from fat5.compat_fat5 import release
 from fat5.configuration_fat5 import FAT5Config
 from fat5.modeling_fat5 import FAT5ForConditionalGeneration
@@ -124,6 +124,8 @@ class TensorSource:
                     # mmap: tensors are read from disk only when touched.
                     self._handles[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
             except Exception as error:  # safetensors and torch raise several unrelated types for bad files
+                if refused_pickle(error) is not None:
+                    raise pickle_refusal(file.name, error) from None
                 raise ConversionError(f"cannot read {file.name}: corrupt or truncated weights "
                                       f"({error_line(error)})") from error
             if isinstance(self._handles[file], dict):
@@ -184,17 +186,6 @@ class ConversionPlan:
     redundant: dict = field(default_factory=dict)  # source copy -> the source tensor it must equal
     ignored: list = field(default_factory=list)  # source tensors T5 itself never uses
     shapes: dict = field(default_factory=dict)  # target name -> shape
-
-
-def read_json_object(path):
-    """A JSON object from `path`; anything else is a one-line ConversionError."""
-    try:
-        value = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConversionError(f"cannot read {path}: {error_line(error)}") from error
-    if not isinstance(value, dict):
-        raise ConversionError(f"{path} is not a JSON object")
-    return value
 
 
 def rescale_rule(model_type, writer_version):
@@ -339,7 +330,7 @@ def read_config(folder):
     folder = Path(folder)
     if not folder.is_dir():
         raise ConversionError(f"{folder} is not a directory")
-    if not (folder / "config.json").is_file():
+    if not (folder / "config.json").exists():
         raise ConversionError(f"{folder} has no config.json")
     return read_json_object(folder / "config.json")
 

@@ -12,10 +12,12 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PretrainedConfig
 
-from convert.checkpoint import SAFETENSORS_DTYPES, iter_converted_tensors, read_json_object
+from convert.checkpoint import SAFETENSORS_DTYPES, iter_converted_tensors
 from convert.cli import CommandError, error_line
+from convert.files import check_model_folder, read_text
 from convert.hub import render_model_card
 from convert.parity import verify_parity
+from convert.safety import write_failures_reported
 from fat5.remote_code_fat5 import mark_as_package, write_remote_code
 
 TOKENIZER_FILES = ("spiece.model", "sentencepiece.bpe.model", "tokenizer.json", "tokenizer_config.json",
@@ -137,10 +139,10 @@ def source_card_metadata(source_folder):
     from huggingface_hub import ModelCard
 
     readme = Path(source_folder) / "README.md"
-    if not readme.is_file():
+    if not readme.exists():
         return {}
     try:
-        data = ModelCard.load(readme).data
+        data = ModelCard(read_text(readme).removeprefix("\ufeff")).data  # as ModelCard.load, BOM or not
     except (ValueError, yaml.YAMLError) as error:
         raise ExportError(f"the source's README.md has an unreadable metadata header: {error_line(error)}") \
             from error
@@ -148,11 +150,9 @@ def source_card_metadata(source_folder):
 
 
 def validate_side_files(source_folder):
-    """Check, before any heavy work, every source file the export parses: the JSON tokenizer and generation
-    files and the model card. Returns the card's metadata."""
-    for name in (*TOKENIZER_FILES, "generation_config.json"):
-        if name.endswith(".json") and (Path(source_folder) / name).is_file():
-            read_json_object(Path(source_folder) / name)
+    """Check, before any heavy work, every source file the export parses: the folder's JSON files (tokenizer,
+    generation config) and the model card. Returns the card's metadata."""
+    check_model_folder(source_folder)
     return source_card_metadata(source_folder)
 
 
@@ -181,12 +181,14 @@ def export(plan, source_folder, output, *, dtype=None, attention_backend="auto",
                 repo_id=repo_id, convert_command=convert_command)
     check_card_renders(card)
     with output as staging:
-        write_safetensors_streaming(plan, staging, dtype, max_bytes, allow_non_finite)
-        export_config(plan, staging, dtype, attention_backend)
-        copy_side_files(source_folder, staging, plan.source_config)
-        write_remote_code(staging)
+        with write_failures_reported(output.out, staging.parent):
+            write_safetensors_streaming(plan, staging, dtype, max_bytes, allow_non_finite)
+            export_config(plan, staging, dtype, attention_backend)
+            copy_side_files(source_folder, staging, plan.source_config)
+            write_remote_code(staging)
         difference, sample = verify_parity(source_folder, staging, dtype) if verify else (None, None)
-        render_model_card(staging, **card, parity_max_abs_diff=difference, parity_sample=sample)
+        with write_failures_reported(output.out, staging.parent):
+            render_model_card(staging, **card, parity_max_abs_diff=difference, parity_sample=sample)
         output.commit()
     return difference, sample
 

@@ -33,7 +33,7 @@ def convert(args, progress):
     from convert.checkpoint import plan_back_conversion
     from convert.export import copy_side_files, parse_size, validate_side_files, write_safetensors_streaming
     from convert.parity import verify_back_parity
-    from convert.safety import AtomicOutput
+    from convert.safety import AtomicOutput, write_failures_reported
 
     src, out = Path(args.src), Path(args.out)
     if not src.is_dir():
@@ -45,9 +45,10 @@ def convert(args, progress):
     validate_side_files(src)
     print(f"Converting {src} (FAT5, {len(plan.mapping)} tensors) -> {out} ({plan.config['model_type']})")
     with output as staging:
-        write_safetensors_streaming(plan, staging, None, max_bytes, args.allow_non_finite)
-        (staging / "config.json").write_text(json.dumps(plan.config, indent=2, sort_keys=True) + "\n")
-        copy_side_files(src, staging, plan.source_config)
+        with write_failures_reported(out, staging.parent):
+            write_safetensors_streaming(plan, staging, None, max_bytes, args.allow_non_finite)
+            (staging / "config.json").write_text(json.dumps(plan.config, indent=2, sort_keys=True) + "\n")
+            copy_side_files(src, staging, plan.source_config)
         if not args.no_verify:
             difference, sample = verify_back_parity(src, staging)
             print(f"Parity: max |logits difference| = {difference:.3g} ({sample})")

@@ -9,10 +9,10 @@ requires transformers < 4.58, so this runs on transformers 4.57 only.
 """
 
 import argparse
-import json
 from pathlib import Path
 
 from convert.cli import CliParser, CommandError, exit_with, run
+from convert.files import check_model_folder, read_json_object
 
 # optimum's tasks for T5, all of which the T5 ONNX config exports.
 TASKS = ("text2text-generation-with-past", "text2text-generation", "feature-extraction-with-past",
@@ -34,13 +34,12 @@ def build_parser():
 def check_exportable(folder):
     """Refuse, with one line, a folder that is not a FAT5 model with T5's relative bias."""
     config_path = Path(folder) / "config.json"
-    if not config_path.is_file():
+    if not config_path.exists():
         raise CommandError(f"{folder} has no config.json: not a model folder")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as error:
-        raise CommandError(f"{config_path} is not valid JSON ({error})") from error
-    model_type = config.get("model_type") if isinstance(config, dict) else None
+    # optimum reads the tokenizer and generation files too: a bad one is one line here, not its traceback.
+    check_model_folder(folder)
+    config = read_json_object(config_path)
+    model_type = config.get("model_type")
     if model_type != "fat5":
         raise CommandError(f"{folder} is a {model_type!r} model, not a FAT5 one")
     position_type = config.get("position_encoding_type", "t5")
@@ -68,10 +67,13 @@ def export(args, progress):
     register_fat5_onnx_config()
     from optimum.exporters.onnx import main_export
 
+    from convert.safety import write_failures_reported
+
     progress.describe = lambda: f"{out} may hold a partial export: delete it"
     # optimum loads the folder's own remote code, reruns the exported graphs on fresh inputs and checks them against
     # PyTorch's outputs (do_validation) before returning.
-    main_export(args.folder, out, task=args.task, opset=args.opset, trust_remote_code=True)
+    with write_failures_reported(out, out.resolve().parent):
+        main_export(args.folder, out, task=args.task, opset=args.opset, trust_remote_code=True)
     print(f"Wrote {out}: load it with optimum.onnxruntime.ORTModelForSeq2SeqLM.from_pretrained(OUT, "
           "trust_remote_code=True)")
 

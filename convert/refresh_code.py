@@ -65,6 +65,8 @@ def check_folder(folder):
 
 def refresh(args, progress):
     from convert.checkpoint import read_config
+    from convert.files import check_model_folder
+    from convert.safety import write_failures_reported
     from fat5.remote_code_fat5 import StagedFolder, write_remote_code
 
     folder = Path(args.folder)
@@ -73,15 +75,17 @@ def refresh(args, progress):
     config = read_config(folder)
     if config.get("model_type") != "fat5":
         raise CommandError(f"{folder} is not a FAT5 folder (config.json model_type {config.get('model_type')!r})")
+    check_model_folder(folder)  # the check loads it: a bad file is one line now, not a traceback then
     if args.push_to_hub:
         from convert.hub import check_push_access
 
         check_push_access(args.push_to_hub, args.token)
     progress.describe = lambda: f"{folder} is unchanged"
     with StagedFolder(folder) as staging:
-        write_remote_code(staging.path)
-        (staging.path / "config.json").write_text(json.dumps(refreshed_config(config), indent=2, sort_keys=True)
-                                                  + "\n")
+        with write_failures_reported("the refreshed code", folder.parent):
+            write_remote_code(staging.path)
+            (staging.path / "config.json").write_text(json.dumps(refreshed_config(config), indent=2,
+                                                                 sort_keys=True) + "\n")
         # Every other file of the folder comes along as a hard link; the complete folder is checked before it
         # replaces the old one.
         staging.commit(keep=lambda name: True, check=None if args.no_verify else check_folder)

@@ -337,12 +337,29 @@ class FAT5Block(GradientCheckpointingLayer):
         return hidden_states, self_attention_weights, cross_attention_weights, shared_table
 
 
-def _static_cache_length(cache):
-    """Length of the keys a static (compileable) self-attention cache returns (all its slots), else None."""
-    self_attention_cache = getattr(cache, "self_attention_cache", None)
-    if self_attention_cache is None or not getattr(self_attention_cache, "is_compileable", False):
+def _static_cache_length(cache, part="self_attention_cache"):
+    """Length of the keys a static (compileable) self- or cross-attention cache returns (all its slots), else
+    None."""
+    attention_cache = getattr(cache, part, None)
+    if attention_cache is None or not getattr(attention_cache, "is_compileable", False):
         return None
-    return static_cache_max_length(self_attention_cache)
+    return static_cache_max_length(attention_cache)
+
+
+def _cross_key_mask(mask, cache, batch, encoder_length, device):
+    """The cross-attention key mask (None: every encoder token) for keys a static cross-attention cache returns:
+    all its slots, of which only the first `encoder_length` hold the encoder's keys. A cache sized for a longer
+    input (a StaticCache the user built, reused for a shorter one) leaves the rest empty, and they are masked out
+    (transformers' T5 attends to them, or fails on the mask's length)."""
+    slots = _static_cache_length(cache, "cross_attention_cache")
+    if slots is None or slots == encoder_length:
+        return mask
+    if slots < encoder_length:
+        raise ValueError(f"the static cross-attention cache has {slots} slots, fewer than the {encoder_length} "
+                         f"encoder tokens it must hold: size it for the encoder input")
+    if mask is None:
+        mask = torch.ones(batch, encoder_length, dtype=torch.bool, device=device)
+    return F.pad(mask, (0, slots - encoder_length), value=False)
 
 
 def _key_mask_from_causal_mask(mask):
@@ -611,8 +628,10 @@ class FAT5Stack(FAT5PreTrainedModel):
         key_padding_mask = _key_mask(attention_mask, batch, key_length, "attention_mask")
         encoder_key_padding_mask = None
         if encoder_hidden_states is not None:
-            encoder_key_padding_mask = _key_mask(encoder_attention_mask, batch, encoder_hidden_states.shape[1],
-                                                 "encoder_attention_mask")
+            encoder_length = encoder_hidden_states.shape[1]
+            encoder_key_padding_mask = _cross_key_mask(
+                _key_mask(encoder_attention_mask, batch, encoder_length, "encoder_attention_mask"), cache, batch,
+                encoder_length, inputs_embeds.device)
         segments, cross_segments = _packed_segments(segment_ids, attention_mask, encoder_segment_ids,
                                                     encoder_attention_mask, encoder_hidden_states, batch, length,
                                                     q_offset, self.is_decoder)

@@ -2,7 +2,8 @@
 column or a file that is not UTF-8 is an error naming the file and line, never a merged, dropped or re-typed row.
 Every byte of a value is kept: nothing is stripped, unquoted (a .tsv is TSV, not CSV) or normalised.
 
-Standard library only (see recipes/arguments.py): `datasets` is imported only for --dataset_name.
+Standard library only, with convert.files (which is too; see recipes/arguments.py): `datasets` is imported only for
+--dataset_name.
 """
 
 import codecs
@@ -13,6 +14,7 @@ from array import array
 from pathlib import Path
 
 from convert.cli import CommandError, error_line
+from convert.files import open_binary
 
 FORMATS = (".csv", ".tsv", ".json", ".jsonl")
 # How a .tsv is read: "none", as TSV (IANA text/tab-separated-values); "csv", with CSV quote rules.
@@ -71,9 +73,7 @@ def read_table(path, tsv_quoting="none", max_field_chars=MAX_FIELD_CHARS):
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
         raise CommandError(f"{path}: unknown format (use {', '.join(FORMATS)})")
-    if not path.is_file():
-        raise CommandError(f"{path}: no such file")
-    with path.open("rb") as file:
+    with open_binary(path) as file:
         if suffix == ".json":
             columns, count = read_json(path, file, max_field_chars)
             lines = None

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from convert.cli import CommandError, error_line, exit_with, run
+from convert.files import check_model_folder, pickles_refused
 from recipes.arguments import FileFormatArguments, require_positive
 from recipes.data import exact_match, read_table, write_predictions
 
@@ -40,7 +41,7 @@ class PredictArguments:
         if (model / "adapter_config.json").is_file():
             raise CommandError(f"{model} holds a LoRA adapter, not a model: train with --merge_lora and predict "
                                f"from OUTPUT_DIR/merged")
-        if not (model / "config.json").is_file():
+        if not (model / "config.json").exists():
             raise CommandError(f"--model {model}: no config.json, not a saved model folder")
         output = Path(self.output_file)
         if output.is_dir():
@@ -81,11 +82,15 @@ def predict(argv, progress):
         columns["reference"] = table.texts(args.reference_column, "--reference_column")
     if args.device is not None:
         check_device(args.device)
+    check_model_folder(args.model)  # before the pipeline reads it
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
 
     from transformers import pipeline
 
-    generator = pipeline("text2text-generation", model=args.model, trust_remote_code=True, device=args.device)
+    from convert.safety import write_failures_reported
+
+    with pickles_refused(f"the weights file of {args.model}"):
+        generator = pipeline("text2text-generation", model=args.model, trust_remote_code=True, device=args.device)
     outputs = generator([args.source_prefix + text for text in sources], batch_size=args.batch_size,
                         num_beams=args.num_beams, max_new_tokens=args.max_new_tokens,
                         length_penalty=args.length_penalty)
@@ -93,7 +98,8 @@ def predict(argv, progress):
     if args.reference_column:
         # Compared stripped, as the generated texts are; the CSV keeps the references as written.
         print(json.dumps(exact_match(predictions, [text.strip() for text in columns["reference"]])))
-    write_predictions(args.output_file, {**columns, "prediction": predictions})
+    with write_failures_reported(args.output_file, Path(args.output_file).resolve().parent):
+        write_predictions(args.output_file, {**columns, "prediction": predictions})
     return predictions
 
 

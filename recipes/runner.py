@@ -29,6 +29,8 @@ from transformers import (
 )
 
 from convert.cli import CommandError, Progress, error_line
+from convert.files import CHECKPOINT_JSON, check_model_folder, pickles_refused, read_json_object
+from convert.safety import write_failures_reported
 from fat5.training.run_folder import (
     TRAINING_SETTINGS,
     RunFolder,
@@ -45,6 +47,9 @@ SPLITS = {"train": "do_train", "validation": "do_eval", "test": "do_predict"}
 FILE_FLAGS = {"train": "train_file", "validation": "validation_file", "test": "test_file"}
 LIMIT_FLAGS = {"train": "max_train_samples", "validation": "max_eval_samples", "test": "max_predict_samples"}
 GENERATION_FLAGS = ("generation_max_length", "generation_num_beams", "generation_config")
+# What to do with a checkpoint whose optimizer, scheduler or RNG state is a pickle of more than tensors.
+RESUME_ADVICE = "resume from a checkpoint FAT5 wrote instead, or fine-tune its weights in a new run " \
+                "(--model_name_or_path)"
 
 
 @dataclass
@@ -74,7 +79,7 @@ def parse_flags(dataclass_types, argv, **defaults):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if len(argv) == 1 and argv[0].endswith(".json"):
-            return parser.parse_dict({**defaults, **json.loads(Path(argv[0]).read_text(encoding="utf-8"))})
+            return parser.parse_dict({**defaults, **read_json_object(argv[0], "the flags file ")})
         return parser.parse_args_into_dataclasses(argv)
     except ValueError as error:  # unknown flags, and TrainingArguments' own checks
         raise CommandError(error_line(error)) from None
@@ -155,14 +160,15 @@ def encode(tokenizer, inputs, targets, data_args, classes, table):
 
 def load_model(model_args, training_args, classes):
     """The model to fine-tune (with a LoRA adapter on FAT5's projections when --lora)."""
-    if classes is None:
-        model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
-        task_type, modules_to_save = "SEQ_2_SEQ_LM", None
-    else:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            model_args.model_name_or_path, trust_remote_code=True, num_labels=len(classes),
-            id2label=dict(enumerate(classes)), label2id={name: index for index, name in enumerate(classes)})
-        task_type, modules_to_save = "SEQ_CLS", ["classification_head"]
+    with pickles_refused(f"the weights file of {model_args.model_name_or_path}"):
+        if classes is None:
+            model = AutoModelForSeq2SeqLM.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
+            task_type, modules_to_save = "SEQ_2_SEQ_LM", None
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(
+                model_args.model_name_or_path, trust_remote_code=True, num_labels=len(classes),
+                id2label=dict(enumerate(classes)), label2id={name: index for index, name in enumerate(classes)})
+            task_type, modules_to_save = "SEQ_CLS", ["classification_head"]
     if not model_args.lora:
         return model
     from peft import LoraConfig, get_peft_model
@@ -252,30 +258,35 @@ def progress_bars_closed_on_interrupt(trainer):
 def save(trainer, tokenizer, model_args, training_args):
     """The model (or LoRA adapter) and tokenizer in --output_dir; with --merge_lora also the merged model in
     OUTPUT_DIR/merged."""
-    trainer.save_model()
+    with write_failures_reported("the final model", training_args.output_dir):
+        trainer.save_model()
     if model_args.merge_lora and trainer.is_world_process_zero():
         merged_dir = Path(training_args.output_dir) / "merged"
-        trainer.model.merge_and_unload().save_pretrained(merged_dir)
-        tokenizer.save_pretrained(merged_dir)
+        with write_failures_reported("the merged model", training_args.output_dir):
+            trainer.model.merge_and_unload().save_pretrained(merged_dir)
+            tokenizer.save_pretrained(merged_dir)
         logger.info("LoRA merged into %s", merged_dir)
 
 
 def train(trainer, tokenizer, model_args, training_args, run_folder):
     """Train (or continue the run), then save. A run killed after its last step's checkpoint is saved from it
     (Trainer would train one step past its end)."""
-    state = run_folder.resume_state()
-    if state and not run_folder.changed and state["global_step"] >= state["max_steps"] > 0:
-        print(f"{run_folder.resume_checkpoint} is the run's last step: saving it as the final model")
-        trainer.load_without_training(run_folder.resume_checkpoint)
-    else:
-        finish(trainer, "train", trainer.train(resume_from_checkpoint=run_folder.resume_checkpoint).metrics)
+    resume, state = run_folder.resume_checkpoint, run_folder.resume_state()
+    # Trainer loads a checkpoint's optimizer, scheduler and RNG states with torch.load(weights_only=True).
+    with pickles_refused(f"--resume_from_checkpoint {resume}", RESUME_ADVICE):
+        if state and not run_folder.changed and state["global_step"] >= state["max_steps"] > 0:
+            print(f"{resume} is the run's last step: saving it as the final model")
+            trainer.load_without_training(resume)
+        else:
+            finish(trainer, "train", trainer.train(resume_from_checkpoint=resume).metrics)
     save(trainer, tokenizer, model_args, training_args)
     run_folder.finish()
 
 
 def finish(trainer, split, metrics):
     trainer.log_metrics(split, metrics)
-    trainer.save_metrics(split, metrics)
+    with write_failures_reported(f"the {split} metrics", trainer.args.output_dir):
+        trainer.save_metrics(split, metrics)
 
 
 def fine_tune(recipe, argv=None, progress=None):
@@ -294,6 +305,7 @@ def fine_tune(recipe, argv=None, progress=None):
     examples = {split: recipe.examples(table, data_args) for split, table in tables.items()}
     if recipe.check_training and "train" in tables:
         recipe.check_training(tables["train"], examples["train"][1], data_args)
+    check_model_folder(model_args.model_name_or_path)  # before transformers and the tokenizer read it
     run_folder = None
     if training_args.do_train:
         run_folder = RunFolder(training_args.output_dir, training_args.resume_from_checkpoint,
@@ -353,6 +365,9 @@ def check_resumable_changes(changed, training_args):
 
 
 def train_evaluate_predict(recipe, model_args, data_args, training_args, classes, tables, examples, run_folder):
+    resume = run_folder.resume_checkpoint if run_folder else None
+    if resume:
+        check_model_folder(resume, also=CHECKPOINT_JSON)  # before Trainer reads them
     setup_logging(training_args)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
     encoded = {split: encode(tokenizer, *examples[split], data_args, classes, tables[split]) for split in tables}
@@ -379,7 +394,8 @@ def train_evaluate_predict(recipe, model_args, data_args, training_args, classes
             finish(trainer, "test", output.metrics)
             if trainer.is_world_process_zero() and (generates or classes is not None):
                 inputs, references = examples["test"]
-                write_predictions(Path(training_args.output_dir) / "predictions.csv",
-                                  {"source": inputs, "reference": references,
-                                   "prediction": output_texts(tokenizer, classes, output.predictions)})
+                with write_failures_reported("predictions.csv", training_args.output_dir):
+                    write_predictions(Path(training_args.output_dir) / "predictions.csv",
+                                      {"source": inputs, "reference": references,
+                                       "prediction": output_texts(tokenizer, classes, output.predictions)})
     return trainer

@@ -5,7 +5,7 @@ and values are computed once per generation."""
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import TINY_CONFIG, tiny_config
 from fat5.modeling_fat5 import FAT5ForConditionalGeneration
 
 POSITION_TYPES = ["t5", "rope", "alibi", "fire", "none"]
@@ -131,3 +131,42 @@ def test_static_cache_with_the_triton_kernel_gives_the_eager_tokens(kernel_devic
     expected = model.generate(**inputs)
     model.config.attention_backend = "triton"
     assert torch.equal(model.generate(**inputs, cache_implementation="static"), expected)
+
+
+def test_a_static_cross_attention_cache_longer_than_the_encoder_input_gives_t5s_tokens():
+    """A StaticCache built for longer inputs (reused, or sized for the longest prompt) has more cross-attention slots
+    than the encoder has tokens: the slots no encoder token fills are masked out, and FAT5 generates the tokens
+    transformers' T5 (the same weights) generates with a cache of the encoder's length. (T5 itself attends to the
+    empty slots, which changes its logits, or fails on its mask's length when the batch is padded.)"""
+    from transformers import EncoderDecoderCache, StaticCache, T5Config, T5ForConditionalGeneration
+
+    from convert.checkpoint import fat5_config_from_t5
+    from fat5.compat_fat5 import CACHE_NAME
+
+    t5_config = T5Config(**{**TINY_CONFIG, "vocab_size": VOCAB}, decoder_start_token_id=0, pad_token_id=0,
+                         eos_token_id=1, attn_implementation="eager")
+    torch.manual_seed(0)
+    t5 = T5ForConditionalGeneration(t5_config).eval()
+    with torch.no_grad():  # confident, as confident_model's
+        for parameter in t5.parameters():
+            parameter.copy_(torch.empty_like(parameter).uniform_(0.5, 1.5) if parameter.dim() == 1
+                            else torch.empty_like(parameter).normal_(0.0, 0.6))
+    model = FAT5ForConditionalGeneration(fat5_config_from_t5(t5_config.to_dict(), lm_head_tied=False)).eval()
+    model.load_state_dict(t5.state_dict())
+    expected = generate(t5)
+    assert_varied(expected)
+    encoder_length = padded_inputs()["input_ids"].shape[1]
+    for slots in (encoder_length, encoder_length + 7):
+        cache = EncoderDecoderCache(StaticCache(model.config, max_cache_len=32),
+                                    StaticCache(model.config, max_cache_len=slots))
+        assert torch.equal(generate(model, **{CACHE_NAME: cache}), expected), slots
+    # Unpadded and without an attention mask: the empty slots are masked all the same.
+    unpadded = {"input_ids": padded_inputs()["input_ids"][:1]}
+    long_cache = EncoderDecoderCache(StaticCache(model.config, max_cache_len=32),
+                                     StaticCache(model.config, max_cache_len=encoder_length + 7))
+    assert torch.equal(model.generate(**unpadded, max_new_tokens=8, min_new_tokens=8, **{CACHE_NAME: long_cache}),
+                       t5.generate(**unpadded, max_new_tokens=8, min_new_tokens=8))
+    too_short = EncoderDecoderCache(StaticCache(model.config, max_cache_len=32),
+                                    StaticCache(model.config, max_cache_len=encoder_length - 1))
+    with pytest.raises(ValueError, match="fewer than the 9 encoder tokens"):
+        generate(model, **{CACHE_NAME: too_short})

@@ -199,6 +199,34 @@ def test_ctrl_c_says_what_the_folder_holds(tiny, tmp_path):
                         r"checkpoint \(continue with --resume_from_checkpoint latest\)", last), last
 
 
+@pytest.mark.parametrize("to_the_group", [True, False], ids=["process-group", "main-process"])
+def test_sigterm_says_what_the_folder_holds(tiny, tmp_path, to_the_group):
+    """SIGTERM to the whole process group (a job scheduler, a container stopping), DataLoader workers included, or to
+    the main process alone (`kill PID`): one `terminated:` line, exit status 143. torch's workers end on it at once,
+    quietly; the main process says nothing of them (not even when a finaliser meets a dead worker as Python exits),
+    nor do they of the connection it closed."""
+    out = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "fat5.training.pretrain",
+                                *tiny_flags(tiny, out, 100000, "--dataloader_num_workers", 2)],
+                               cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out / "checkpoint-2").is_dir() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        (os.killpg if to_the_group else os.kill)(process.pid, signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"terminated: {re.escape(str(out))} holds checkpoint-(\d+), this run's last complete "
+                        r"checkpoint \(continue with --resume_from_checkpoint latest\)", last), last
+
+
 def test_ctrl_c_while_a_checkpoint_is_saved(tiny, tmp_path, capsys, monkeypatch):
     from transformers import Trainer
 

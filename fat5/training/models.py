@@ -1,9 +1,9 @@
 """The model to pretrain: a new FAT5 from a T5 v1.1 preset or a config file, or a FAT5 checkpoint to continue."""
 
-import json
 from pathlib import Path
 
 from convert.cli import CommandError, error_line
+from convert.files import check_model_folder, pickles_refused, read_json_object
 from fat5 import FAT5Config, FAT5ForConditionalGeneration
 
 # T5 v1.1 shapes (gated-GELU, untied LM head); dropout off for pretraining, as nanoT5 and FAT5 do.
@@ -18,13 +18,6 @@ NOT_MODEL_FIELDS = ("model_type", "architectures", "auto_map", "custom_pipelines
                     "torch_dtype", "_name_or_path")
 
 
-def _read_config_json(path):
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise CommandError(f"cannot read the model config {path}: {error}") from None
-
-
 def model_fields(config):
     """The config fields of a new model from a preset name or a config.json (a file, or a folder holding one),
     checked by building the config (so a bad one is refused before anything is trained)."""
@@ -32,9 +25,7 @@ def model_fields(config):
         fields = dict(PRESETS[config])
     else:
         path = Path(config)
-        fields = _read_config_json(path / "config.json" if path.is_dir() else path)
-        if not isinstance(fields, dict):
-            raise CommandError(f"bad model config {config}: not a JSON object")
+        fields = read_json_object(path / "config.json" if path.is_dir() else path, "the model config ")
         for key in NOT_MODEL_FIELDS:
             fields.pop(key, None)
     _config(fields, config)
@@ -63,10 +54,11 @@ def checkpoint_config(folder):
     """The config.json of a FAT5 checkpoint folder to continue pretraining (converted, or saved by this
     command); anything else is an error."""
     config_file = Path(folder) / "config.json"
-    if not config_file.is_file():
+    if not config_file.exists():
         raise CommandError(f"{folder} is not a model folder (no config.json)")
-    config = _read_config_json(config_file)
-    model_type = config.get("model_type") if isinstance(config, dict) else None
+    check_model_folder(folder)  # before transformers and the tokenizer read them
+    config = read_json_object(config_file)
+    model_type = config.get("model_type")
     if model_type != FAT5Config.model_type:
         raise CommandError(f"{folder} is not a FAT5 checkpoint (model_type {model_type!r}); convert it first: "
                            f"python -m convert.flan_to_fat5 {folder} OUT")
@@ -77,7 +69,8 @@ def load_checkpoint(folder, z_loss):
     """The checkpoint `checkpoint_config` accepted, loaded with the installed FAT5 code (so training uses this
     version's kernels and packing)."""
     checkpoint_config(folder)
-    model = FAT5ForConditionalGeneration.from_pretrained(folder)
+    with pickles_refused(f"the weights file of {folder}"):
+        model = FAT5ForConditionalGeneration.from_pretrained(folder)
     if z_loss is not None:
         model.config.z_loss = z_loss
     return model

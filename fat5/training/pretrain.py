@@ -31,6 +31,8 @@ from transformers import AutoTokenizer, DataCollatorForSeq2Seq, HfArgumentParser
 from transformers.utils.logging import disable_progress_bar
 
 from convert.cli import EXIT_BAD_INPUT, CommandError, error_line, exit_with, run
+from convert.files import CHECKPOINT_JSON, check_model_folder, pickles_refused
+from convert.safety import write_failures_reported
 
 from .data import DenoisingDataset, Documents, add_missing_tokens, train_sentencepiece
 from .denoising import MIXTURES, DenoisingMixture, sentinel_token_ids
@@ -58,6 +60,10 @@ DEFAULTS = {
     "z_loss": {"new model": 1e-4, "checkpoint": None},  # None: the checkpoint's own
 }
 
+
+# What to do with a checkpoint whose optimizer, scheduler or RNG state is a pickle of more than tensors.
+RESUME_ADVICE = "resume from a checkpoint FAT5 wrote instead, or start a new run from its weights " \
+                "(--model_name_or_path)"
 
 USAGE = """python -m fat5.training.pretrain (--train_files FILE [FILE ...] | --dataset_name NAME)
            (--config {small,base,large,CONFIG_JSON} | --model_name_or_path FAT5_FOLDER)
@@ -148,6 +154,7 @@ def given_tokenizer(args, prefixes, rows):
     `rows` is the checkpoint's embedding size (None for a new model)."""
     if not (args.tokenizer or args.model_name_or_path):
         return None
+    check_model_folder(args.tokenizer or args.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model_name_or_path)
     add_missing_tokens(tokenizer, prefixes, rows, rows is None or args.resize_embeddings)
     return tokenizer
@@ -156,11 +163,14 @@ def given_tokenizer(args, prefixes, rows):
 def trained_tokenizer(args, training_args, documents, prefixes):
     """A sentencepiece tokenizer trained on the corpus into OUTPUT_DIR/tokenizer, or reused from there."""
     trained = Path(training_args.output_dir) / "tokenizer"
-    if (trained / "tokenizer_config.json").is_file():
+    if (trained / "tokenizer_config.json").exists():
+        check_model_folder(trained)
         tokenizer = AutoTokenizer.from_pretrained(trained)
     else:
         print(f"training a {args.tokenizer_vocab_size}-token sentencepiece tokenizer into {trained}")
-        tokenizer = train_sentencepiece(documents, trained, args.tokenizer_vocab_size, args.tokenizer_train_documents)
+        with write_failures_reported(f"the tokenizer {trained}", training_args.output_dir):
+            tokenizer = train_sentencepiece(documents, trained, args.tokenizer_vocab_size,
+                                            args.tokenizer_train_documents)
     add_missing_tokens(tokenizer, prefixes, None, True)
     return tokenizer
 
@@ -331,14 +341,17 @@ def stream_position(run_folder, training_args, dataset):
 
 
 def train(args, training_args, tokenizer, dataset, run_folder):
+    resume = run_folder.resume_checkpoint
+    if resume:
+        check_model_folder(resume, also=CHECKPOINT_JSON)  # before Trainer reads them
     if args.model_name_or_path:
         model = load_checkpoint(args.model_name_or_path, args.z_loss)
     else:
         set_seed(training_args.seed)  # a reproducible initialisation
         model = new_model(args.config, tokenizer, args.z_loss)
     fit_embeddings(model, tokenizer)
-    if run_folder.resume_checkpoint:
-        check_checkpoint_shapes(model, run_folder.resume_checkpoint)
+    if resume:
+        check_checkpoint_shapes(model, resume)
     say = print if training_args.process_index == 0 else (lambda *_: None)
     mixture = dataset.mixture
     say(f"FAT5 with {model.num_parameters() / 1e6:.1f}M parameters, vocabulary {len(tokenizer)}; denoisers "
@@ -357,16 +370,17 @@ def train(args, training_args, tokenizer, dataset, run_folder):
     if training_args.disable_tqdm:
         disable_progress_bar()  # transformers' own bars too (writing checkpoint shards)
     state = run_folder.resume_state()
-    with worker_errors_as_one_line():
+    # Trainer loads a checkpoint's optimizer, scheduler and RNG states with torch.load(weights_only=True).
+    with worker_errors_as_one_line(), pickles_refused(f"--resume_from_checkpoint {resume}", RESUME_ADVICE):
         if state and state["global_step"] >= training_args.max_steps:
             # Killed after its last checkpoint, before its final save: nothing left to train (Trainer would take
             # one step past --max_steps).
-            say(f"{run_folder.resume_checkpoint} is the run's last step ({state['global_step']}): saving it as the "
-                f"final model")
-            trainer.load_without_training(run_folder.resume_checkpoint)
+            say(f"{resume} is the run's last step ({state['global_step']}): saving it as the final model")
+            trainer.load_without_training(resume)
         else:
-            trainer.train(resume_from_checkpoint=run_folder.resume_checkpoint)
-    trainer.save_model(training_args.output_dir)
+            trainer.train(resume_from_checkpoint=resume)
+    with write_failures_reported("the final model", training_args.output_dir):
+        trainer.save_model(training_args.output_dir)
     run_folder.finish()
     say(f"saved the model and tokenizer to {training_args.output_dir}")
 

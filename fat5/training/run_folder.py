@@ -72,6 +72,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from convert.cli import CommandError, raise_if_interrupted
+from convert.safety import write_failures_reported
 from fat5.remote_code_fat5 import put_in_place, remove_stale_staging
 
 RECORD_NAME = "fat5_run.json"
@@ -140,8 +141,11 @@ def read_record(folder):
 
 def _write_json_atomically(path, value):
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(value, indent=1) + "\n")
-    os.replace(temporary, path)
+    try:
+        temporary.write_text(json.dumps(value, indent=1) + "\n")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)  # a write that failed (a full disk) leaves nothing behind
 
 
 def folder_entries(folder):
@@ -491,6 +495,12 @@ class RunFolderTrainerMixin:
         return super().prediction_step(*args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
+        # A checkpoint that cannot be written (a full disk) ends the run with one line naming it and what the
+        # folder holds, not torch's or safetensors' traceback; its staging folder is never resumed from.
+        with write_failures_reported(f"checkpoint-{self.state.global_step}", self.args.output_dir):
+            self._save_checkpoint_atomically(model, trial)
+
+    def _save_checkpoint_atomically(self, model, trial):
         run_dir = Path(self._get_output_dir(trial=trial))
         name = f"checkpoint-{self.state.global_step}"
         staging_dir = run_dir / f".{name}.partial"

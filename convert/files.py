@@ -1,0 +1,167 @@
+"""The user's JSON and text files, read under the command-line convention (convert/cli.py): a file that is missing,
+a folder, unreadable, not UTF-8 or not JSON is one `CommandError` naming the file, and the line where it can.
+
+transformers, tokenizers and the Trainer read the JSON files of a model folder themselves, and a bad one reaches the
+user as their traceback (a `UnicodeDecodeError` from the tokenizer, an `AttributeError` for a list where an object
+belongs, safetensors' error for truncated weights), or is silently skipped (a bad generation_config.json):
+`check_model_folder` reads those files first.
+Refused pickles are said here too, once, in words that never suggest loading them unsafely.
+
+Only the standard library is imported with this module (see convert/cli.py); the checks of weight files import
+safetensors and torch when they run.
+"""
+
+import json
+import re
+from contextlib import contextmanager
+from pathlib import Path
+
+from convert.cli import CommandError, error_line
+
+# The JSON files of a model folder that transformers (4.57 and 5.x), tokenizers or PEFT parse when they load it.
+MODEL_FOLDER_JSON = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "added_tokens.json", "tokenizer.json", "model.safetensors.index.json",
+                     "pytorch_model.bin.index.json", "adapter_config.json")
+# ... and those the Trainer parses when it resumes from a checkpoint folder.
+CHECKPOINT_JSON = ("trainer_state.json",)
+# torch.load(weights_only=True) refusing a pickle that names something other than tensors and plain containers.
+WEIGHTS_ONLY_REFUSAL = "Weights only load failed"
+PICKLED_GLOBAL = re.compile(r"GLOBAL (\S+)")
+SAFETENSORS_ADVICE = ("to convert it safely, load it once in an environment you trust and save its state dict with "
+                      "safetensors (safetensors.torch.save_file), or use the Hub's safetensors conversion "
+                      "(https://huggingface.co/spaces/safetensors/convert)")
+
+
+def read_bytes(path, what=""):
+    """The bytes of the file at `path`. `what` names the file's role in messages ("the model config ")."""
+    with open_binary(path, what) as file:
+        return file.read()
+
+
+def open_binary(path, what=""):
+    """The file at `path` opened for reading bytes (to read as a stream), or one line saying why it cannot be."""
+    path = Path(path)
+    try:
+        return path.open("rb")
+    except FileNotFoundError:
+        raise CommandError(f"cannot read {what}{path}: no such file") from None
+    except IsADirectoryError:
+        raise CommandError(f"cannot read {what}{path}: it is a folder, not a file") from None
+    except OSError as error:  # permissions, a lost mount
+        raise CommandError(f"cannot read {what}{path}: {error.strerror or error}") from None
+
+
+def decode_utf8(path, raw, what=""):
+    """`raw` as UTF-8 text; a byte that is not UTF-8 is an error naming its line and column."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        column = error.start - raw.rfind(b"\n", 0, error.start)
+        raise CommandError(f"cannot read {what}{path}:{line}: not UTF-8 text (byte 0x{raw[error.start]:02x} at "
+                           f"column {column}); save it as UTF-8") from None
+
+
+def read_text(path, what=""):
+    """The UTF-8 text of the file at `path`."""
+    return decode_utf8(path, read_bytes(path, what), what)
+
+
+def read_json(path, what=""):
+    """The JSON value in the file at `path`; JSON that does not parse is an error naming its line and column."""
+    try:
+        return json.loads(read_text(path, what))
+    except json.JSONDecodeError as error:
+        raise CommandError(f"cannot read {what}{path}:{error.lineno}:{error.colno}: not JSON ({error.msg})") \
+            from None
+
+
+def read_json_object(path, what=""):
+    """The JSON object (a dict) in the file at `path`."""
+    value = read_json(path, what)
+    if not isinstance(value, dict):
+        raise CommandError(f"{what}{path} is not a JSON object")
+    return value
+
+
+def check_model_folder(folder, also=()):
+    """Read every JSON file of a local model folder that its loaders parse (MODEL_FOLDER_JSON, and `also`), the
+    header of every safetensors file and the structure of every pytorch_model*.bin, so a bad one is one line naming
+    it before anything loads. A name that is not a local folder (a Hub id) is left to the loader."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for name in (*MODEL_FOLDER_JSON, *also):
+        if (folder / name).exists() or (folder / name).is_symlink():
+            read_json_object(folder / name)
+    for weights in sorted(folder.glob("*.safetensors")):
+        check_safetensors(weights)
+    for weights in sorted(folder.glob("pytorch_model*.bin")):
+        check_pickled_weights(weights)
+
+
+def check_safetensors(path):
+    """Open a safetensors file's header, which safetensors checks against the file's length: a truncated or
+    corrupt file is one line naming it (transformers lets safetensors' error through with its traceback)."""
+    from safetensors import SafetensorError, safe_open  # a dependency of transformers
+
+    if Path(path).is_dir():
+        raise CommandError(f"cannot read {path}: it is a folder, not a file")
+    try:
+        with safe_open(str(path), framework="numpy"):
+            pass
+    except SafetensorError as error:
+        raise CommandError(f"cannot read {path}: corrupt or truncated weights ({error_line(error)})") from None
+    except OSError as error:  # permissions, a lost mount
+        raise CommandError(f"cannot read {path}: {error.strerror or error_line(error)}") from None
+
+
+def check_pickled_weights(path):
+    """Load a pytorch_model.bin as transformers does (torch.load(weights_only=True)), memory-mapped so that no
+    tensor data is read: a corrupt or truncated file, or a pickle that holds more than tensors, is one line naming
+    it (transformers 5 lets torch's error through with its traceback)."""
+    import torch
+
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # torch raises several unrelated types for bad files
+        if refused_pickle(error) is not None:
+            raise pickle_refusal(path, error) from None
+        if "_use_new_zipfile_serialization" in str(error):
+            return  # torch's legacy format cannot be memory-mapped: it is left to the loader
+        raise CommandError(f"cannot read {path}: corrupt or truncated weights ({error_line(error)})") from None
+
+
+def refused_pickle(error):
+    """torch.load(weights_only=True)'s refusal of a pickle that holds more than tensors, when `error` is it, was
+    raised while handling it (transformers 4.57 turns it into an OSError about the file) or quotes it (4.57's
+    pipeline puts the traceback in its ValueError's message), else None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if WEIGHTS_ONLY_REFUSAL in str(error):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def pickle_refusal(what, error, advice=SAFETENSORS_ADVICE):
+    """The one line that refuses `what` for the pickled objects torch found in it (torch's own message offers to
+    load the file unsafely, which must never be the advice for a file from elsewhere)."""
+    named = PICKLED_GLOBAL.search(str(error))
+    example = f" (such as {named.group(1)})" if named else ""
+    return CommandError(f"{what} holds pickled Python objects beyond tensors{example}, which can run code when "
+                        f"loaded, so it is refused; {advice}")
+
+
+@contextmanager
+def pickles_refused(what, advice=SAFETENSORS_ADVICE):
+    """Inside the block, torch.load(weights_only=True) refusing a pickle (loading `what`) is `pickle_refusal`'s
+    line."""
+    try:
+        yield
+    except Exception as error:
+        refusal = refused_pickle(error)
+        if refusal is None:
+            raise
+        raise pickle_refusal(what, refusal, advice) from None

@@ -86,8 +86,9 @@ def read_json_object(path, what=""):
 
 def check_model_folder(folder, also=()):
     """Read every JSON file of a local model folder that its loaders parse (MODEL_FOLDER_JSON, and `also`), the
-    header of every safetensors file and the structure of every pytorch_model*.bin, so a bad one is one line naming
-    it before anything loads. A name that is not a local folder (a Hub id) is left to the loader."""
+    header of every safetensors file, the structure of every pytorch_model*.bin and the tokenizer's sentencepiece
+    model, so a bad one is one line naming it before anything loads. A name that is not a local folder (a Hub id)
+    is left to the loader."""
     folder = Path(folder)
     if not folder.is_dir():
         return
@@ -98,6 +99,26 @@ def check_model_folder(folder, also=()):
         check_safetensors(weights)
     for weights in sorted(folder.glob("pytorch_model*.bin")):
         check_pickled_weights(weights)
+    for model in SENTENCEPIECE_MODELS:
+        if (folder / model).exists():
+            check_sentencepiece(folder / model)
+
+
+# The sentencepiece models of T5-family tokenizers (T5 and ByT5's spiece.model; mT5 and umT5 ship one too).
+SENTENCEPIECE_MODELS = ("spiece.model", "sentencepiece.bpe.model")
+
+
+def check_sentencepiece(path):
+    """Load a tokenizer's sentencepiece model, as the slow tokenizer and the conversion to a fast one do: a corrupt
+    one is one line naming it (transformers 4.57 lets sentencepiece's error through with its traceback)."""
+    import sentencepiece  # a FAT5 dependency
+
+    if Path(path).is_dir():
+        raise CommandError(f"cannot read {path}: it is a folder, not a file")
+    try:
+        sentencepiece.SentencePieceProcessor(model_file=str(path))
+    except (OSError, RuntimeError) as error:  # sentencepiece raises these for a file it cannot parse
+        raise CommandError(f"cannot read {path}: not a sentencepiece model ({error_line(error)})") from None
 
 
 def check_safetensors(path):

@@ -189,3 +189,12 @@ def test_a_checkpoint_to_resume_that_pickles_more_than_tensors_is_refused(folder
                            f"tensors (such as datetime.date), which can run code when loaded, so it is refused; resume "
                            f"from a checkpoint FAT5 wrote instead"), line
     assert "weights_only" not in line
+
+
+@pytest.mark.parametrize("case", ["predict:spiece.model", "recipe:spiece.model", "flan:spiece.model"])
+def test_a_corrupt_sentencepiece_model_is_one_line(folders, tmp_path, capsys, case):
+    """transformers 4.57 let sentencepiece's parse error through with its traceback."""
+    main, argv, path = command_with(case, folders, tmp_path)
+    path.write_bytes(b"not a sentencepiece model")
+    line = one_error_line(capsys, main, argv)
+    assert f"cannot read {path}: not a sentencepiece model" in line, line

@@ -15,7 +15,7 @@ serialised wgmma, instructions and exps per tile), so a change can be judged bef
 
 Use triton 3.6.0 (the version paired with torch 2.11 on the H100) in its own venv: `pip install triton==3.6.0 torch`.
 The kernel module must keep the names this tool reads: _forward_kernel, _backward_dkdv_kernel,
-_backward_dq_kernel, _blocks(head_dim, kernel, device); adapt VARIANTS/arguments below when they change.
+_backward_dq_kernel, _blocks(head_dim, kernel, device, dropout); adapt VARIANTS/arguments below when they change.
 
 Output: one JSON line per kernel, then a table; loop bodies largest first. The kernels run one loop per kind of
 tile: forward and dQ over key tiles far-left, near band, far-right (T5); dK/dV over query tiles far-right, near

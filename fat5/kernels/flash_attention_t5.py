@@ -838,8 +838,9 @@ def draw_dropout_seed(device):
     Drawn on the device, never read back to the host: torch.manual_seed reproduces it, activation checkpointing
     (torch.utils.checkpoint, as transformers, FSDP and DeepSpeed use it) restores the generator before recomputing
     a block and so redraws the same seed, a CUDA graph replays the draw with a fresh generator offset each time,
-    and torch.compile traces it as an ordinary random op."""
-    return torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64, device=device)
+    and torch.compile traces it as an ordinary random op. 62-bit values: Inductor's randint computes high - low in
+    int64, which the full int64 range would overflow."""
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
 
 
 def _dropout_inputs(dropout_p, dropout_seed, device):

@@ -548,6 +548,29 @@ def test_dropout_with_dq_tiles_taller_than_key_tiles(monkeypatch, bidirectional)
                             key_padding_mask=mask, dropout_p=0.2, dropout_seed=seed_tensor(41, 42))
 
 
+# The GPU's tiles: (forward, dK/dV, dQ) (BLOCK_M, BLOCK_N). The interpreter's default 16-wide key tiles take the
+# kernel's half-group branch; these take the 32- and 64-wide ones (one and two Philox groups per row).
+GPU_SIZED_TILES = {"d64": {"forward": (128, 64), "dkdv": (128, 64), "dq": (128, 32)},
+                   "d128": {"forward": (128, 32), "dkdv": (64, 32), "dq": (128, 32)},
+                   "mixed": {"forward": (32, 32), "dkdv": (32, 64), "dq": (64, 64)}}
+
+
+@pytest.mark.parametrize("tiles", list(GPU_SIZED_TILES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_on_gpu_sized_tiles(monkeypatch, tiles, causal):
+    """The same mask whatever the tiles (it is a function of the pair alone): forward and backward on the GPU's
+    32- and 64-wide key tiles, against the reference, on ragged lengths with padding."""
+    def blocks(head_dim, kernel, device, dropout=False):
+        return (*GPU_SIZED_TILES[tiles][kernel], 1, 1)
+
+    monkeypatch.setattr(kernel_module, "_blocks", blocks)
+    q, k, v, table = inputs(2, 2, 75, 90 if not causal else 75, 32, seed=48)
+    mask = key_mask(2, k.shape[2])
+    mask[1, -11:] = False
+    check_against_reference(q, k, v, table, bidirectional=not causal, causal=causal, key_padding_mask=mask,
+                            dropout_p=0.15, dropout_seed=seed_tensor(2**61 + 17, 2**31 + 5))
+
+
 @pytest.mark.parametrize("bias, causal, key_lengths", [
     ("t5", False, None),
     ("alibi", True, None),
@@ -738,3 +761,37 @@ def test_bad_dropout_arguments_raise_clear_errors(make, message):
     q, _, _, _ = inputs(1, 1, 8, 8, 32)
     with pytest.raises(ValueError, match=message):
         make(q)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_at_realistic_sizes_in_bf16_on_gpu(causal):
+    """bf16 at T5-base head shapes on the GPU's own tiles: with the mask the reference draws, our error against
+    fp64 within twice torch's bf16 error (plus a floor), output and every gradient."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    length, heads, dropout_p, seed = 1000, 4, 0.1, seed_tensor(2**50 + 3, 99)
+    q, k, v = (torch.randn(2, heads, length, 64, device="cuda", generator=generator, dtype=torch.bfloat16)
+               for _ in range(3))
+    table = torch.randn(32, heads, device="cuda", generator=generator)
+    mask = torch.ones(2, length, dtype=torch.bool, device="cuda")
+    mask[1, length - 100:] = False
+    options = dict(bidirectional=not causal, causal=causal, key_padding_mask=mask)
+    keep = dropout_keep_mask_reference(seed, dropout_p, 2, heads, length, length).cuda()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, table)]
+    low = [t.clone().requires_grad_() for t in (q, k, v, table)]
+    exact = [t.double().requires_grad_() for t in (q, k, v, table)]
+    outputs = [flash_attention_t5(*leaves[:3], bias_table=leaves[3], dropout_p=dropout_p, dropout_seed=seed,
+                                  **options)]
+    for tensors in (low, exact):
+        outputs.append(attention_with_dropout_mask_reference(*tensors[:3], keep, dropout_p, bias_table=tensors[3],
+                                                             **options)[0])
+    grad = torch.randn(outputs[0].shape, device="cuda", generator=generator, dtype=torch.bfloat16)
+    for out in outputs:
+        out.backward(grad.to(out.dtype))
+    pairs = [(outputs[0], outputs[1], outputs[2], "output")]
+    pairs += [(a.grad, b.grad, c.grad, name) for a, b, c, name in zip(leaves, low, exact, ["dq", "dk", "dv", "dt"])]
+    for ours, torch_low, reference, name in pairs:
+        our_error = (ours.double() - reference).abs().max().item()
+        torch_error = (torch_low.double() - reference).abs().max().item()
+        assert our_error <= 2 * torch_error + 1e-3 * reference.abs().max().item(), name

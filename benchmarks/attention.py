@@ -3,6 +3,8 @@
     python benchmarks/attention.py                  # H100/H200: T5-base heads, bf16, 32k tokens a batch
     python benchmarks/attention.py --smoke          # CPU, Triton interpreter: checks the script end to end
     python benchmarks/attention.py --decode         # one decoder step (Lq = 1) against a Lk-long cache
+    python benchmarks/attention.py --dropout 0.1 --impl fat5,fat5_nodropout,sdpa_dense_bias,sdpa_nobias
+                                                    # attention dropout p on every implementation that has it
 
 Implementations (all use FAT5's `relative_position_bucket`, so they compute the same function):
     fat5                 FAT5 kernel, bias computed in the kernel, gradient to the bucket table
@@ -10,6 +12,9 @@ Implementations (all use FAT5's `relative_position_bucket`, so they compute the 
     sdpa_efficient_bias  the same, forced onto the memory-efficient SDPA backend
     flex_lut             FlexAttention (torch.compile), score_mod reading an (H, 2L - 1) relative-position table
     sdpa_nobias          SDPA without any bias (flash backend): the ceiling, not a T5
+    fat5_nodropout       FAT5 kernel without dropout whatever --dropout says: what in-kernel dropout costs
+With --dropout P every implementation drops attention probabilities with probability P (FlexAttention has no
+dropout: its rows say so); outputs are compared with FAT5's at P = 0, since the masks differ.
 FLOPs: forward 4·B·H·L²·D (half of it when causal); forward+backward counts 3.5× the forward.
 --decode times one generation step instead (fat5 with q_offset = Lk - 1, sdpa_dense_bias with the bias row
 transformers builds, sdpa_nobias as the bar to reach), in microseconds, batch 1 and 32, Lk = 512...8192.
@@ -36,7 +41,9 @@ from fat5.kernels.flash_attention_t5 import flash_attention_t5  # noqa: E402
 from fat5.reference_fat5 import relative_position_bucket  # noqa: E402
 
 NUM_BUCKETS, MAX_DISTANCE = 32, 128
-IMPLEMENTATIONS = ("fat5", "sdpa_dense_bias", "sdpa_efficient_bias", "flex_lut", "sdpa_nobias")
+IMPLEMENTATIONS = ("fat5", "sdpa_dense_bias", "sdpa_efficient_bias", "flex_lut", "sdpa_nobias", "fat5_nodropout")
+# Not peers in the "fat5 / best peer" ratio: FAT5 itself and the no-bias ceiling.
+NOT_PEERS = ("fat5", "fat5_nodropout", "sdpa_nobias")
 DECODE_IMPLEMENTATIONS = ("fat5", "sdpa_dense_bias", "sdpa_nobias")
 
 
@@ -57,19 +64,22 @@ def causal_mask_bias(bias, causal):
 _compiled_flex = None
 
 
-def run(name, q, k, v, table, causal):
+def run(name, q, k, v, table, causal, dropout_p=0.0):
     """One forward of implementation `name`; the bias is built inside, so it is timed and differentiated."""
     global _compiled_flex
-    if name == "fat5":
+    if name in ("fat5", "fat5_nodropout"):
         return flash_attention_t5(q, k, v, bias_table=table, bidirectional=not causal, num_buckets=NUM_BUCKETS,
-                                  max_distance=MAX_DISTANCE, causal=causal)
+                                  max_distance=MAX_DISTANCE, causal=causal,
+                                  dropout_p=dropout_p if name == "fat5" else 0.0)
     if name in ("sdpa_dense_bias", "sdpa_efficient_bias"):
         mask = causal_mask_bias(dense_bias(table, q.shape[2], causal), causal).to(q.dtype)
         if name == "sdpa_dense_bias":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, dropout_p=dropout_p)
         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, dropout_p=dropout_p)
     if name == "flex_lut":
+        if dropout_p:
+            raise NotImplementedError("FlexAttention has no attention dropout")
         length = q.shape[2]
         relative = torch.arange(-(length - 1), length, device=q.device)
         lut = table[relative_position_bucket(relative, not causal, NUM_BUCKETS, MAX_DISTANCE)].t().to(q.dtype)
@@ -84,7 +94,7 @@ def run(name, q, k, v, table, causal):
     if name == "sdpa_nobias":
         backends = [SDPBackend.FLASH_ATTENTION] if q.is_cuda else [SDPBackend.MATH]
         with sdpa_kernel(backends):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=1.0)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=1.0, dropout_p=dropout_p)
     raise ValueError(f"unknown implementation {name}")
 
 
@@ -159,7 +169,7 @@ def measure(name, batch, length, args, causal, passes):
     rows = []
     for pass_name in passes:
         def step():
-            out = run(name, q, k, v, table, causal)
+            out = run(name, q, k, v, table, causal, args.dropout)
             if pass_name == "fwd+bwd":
                 out.backward(grad)
             return out
@@ -197,7 +207,7 @@ def agreement(names, batch, length, args, causal):
     with torch.no_grad():
         ours = run("fat5", q, k, v, table, causal).float()
         for name in names:
-            if name in ("fat5", "sdpa_nobias"):
+            if name in ("fat5", "fat5_nodropout", "sdpa_nobias"):
                 continue
             try:
                 differences[name] = (run(name, q, k, v, table, causal).float() - ours).abs().max().item()
@@ -216,11 +226,13 @@ def markdown(rows, args, stamp):
     lines = [f"### {device_name()}, {stamp}",
              "",
              f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}; "
-             f"H={args.heads}, D={args.head_dim}, {args.dtype}, {args.tokens} tokens a batch. "
+             f"H={args.heads}, D={args.head_dim}, {args.dtype}, {args.tokens} tokens a batch"
+             + (f", attention dropout {args.dropout:g} (fat5_nodropout: none)" if args.dropout else "") + ". "
              "TFLOP/s (ms); fwd+bwd FLOPs = 3.5 x fwd; peak = MiB above the inputs.",
              "",
-             "| causal | pass | L | " + " | ".join(args.impl) + " | fat5 / best peer |",
-             "|" + " --- |" * (len(args.impl) + 4)]
+             "| causal | pass | L | " + " | ".join(args.impl) + " | fat5 / best peer |"
+             + (" fat5 / fat5_nodropout |" if "fat5_nodropout" in args.impl else ""),
+             "|" + " --- |" * (len(args.impl) + 4 + ("fat5_nodropout" in args.impl))]
     keys = sorted({(r["causal"], r["pass"], r["L"]) for r in rows})
     for causal, pass_name, length in keys:
         cells, peers = [], []
@@ -234,13 +246,21 @@ def markdown(rows, args, stamp):
             else:
                 peak = f", {row['peak_mib']} MiB" if row["peak_mib"] is not None else ""
                 cells.append(f"{row['tflops']:.3g} ({row['ms']:.3g} ms{peak})")
-                if name not in ("fat5", "sdpa_nobias"):
+                if name not in NOT_PEERS:
                     peers.append(row["tflops"])
-        ours = next((r for r in rows if (r["implementation"], r["causal"], r["pass"], r["L"])
-                     == ("fat5", causal, pass_name, length) and r["status"] == "ok"), None)
+
+        def ok_row(name):
+            return next((r for r in rows if (r["implementation"], r["causal"], r["pass"], r["L"])
+                         == (name, causal, pass_name, length) and r["status"] == "ok"), None)
+
+        ours, without_dropout = ok_row("fat5"), ok_row("fat5_nodropout")
         ratio = f"{ours['tflops'] / max(peers):.2f}x" if ours and peers and max(peers) > 0 else "-"
+        dropout_ratio = ""
+        if "fat5_nodropout" in args.impl:
+            dropout_ratio = f" {ours['tflops'] / without_dropout['tflops']:.2f}x |" if ours and without_dropout \
+                else " - |"
         lines.append(f"| {'yes' if causal else 'no'} | {pass_name} | {length} | " + " | ".join(cells)
-                     + f" | {ratio} |")
+                     + f" | {ratio} |" + dropout_ratio)
     return "\n".join(lines) + "\n"
 
 
@@ -270,8 +290,10 @@ def parse_args():
     parser.add_argument("--head-dim", type=common.positive_int, default=64)
     parser.add_argument("--tokens", type=common.positive_int, default=32768, help="tokens a batch: batch = tokens // L")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--impl", default=",".join(IMPLEMENTATIONS))
+    parser.add_argument("--impl", default=",".join(name for name in IMPLEMENTATIONS if name != "fat5_nodropout"))
     parser.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="attention dropout probability of every implementation (fat5_nodropout: none)")
     parser.add_argument("--peer-max-length", type=int, default=16384, help="peers stop at this L (fat5 goes on)")
     parser.add_argument("--reps", type=common.positive_int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -285,6 +307,10 @@ def parse_args():
         args.lengths, args.heads, args.head_dim, args.tokens = [32, 48], 2, 32, 96
         args.dtype, args.reps, args.warmup, args.peer_max_length = "float32", 1, 0, 48
         args.decode_lengths, args.decode_batches = [24], [1]
+    if not 0.0 <= args.dropout < 1.0:
+        parser.error(f"--dropout {args.dropout}: must be in [0, 1)")
+    if args.dropout and args.decode:
+        parser.error("--dropout applies to training passes, not to --decode")
     args.impl = [name.strip() for name in args.impl.split(",")]
     unknown = sorted(set(args.impl) - set(IMPLEMENTATIONS))
     if unknown:
@@ -323,9 +349,9 @@ def main():
     if not args.decode:
         table = markdown(rows, args, stamp)
     settings = dict(heads=args.heads, head_dim=args.head_dim, dtype=args.dtype, tokens=args.tokens,
-                    reps=args.reps, warmup=args.warmup)
-    common.report("attention_decode" if args.decode else "attention", rows, table, settings, args,
-                  None if args.decode else plot)
+                    reps=args.reps, warmup=args.warmup, dropout=args.dropout)
+    name = "attention_decode" if args.decode else ("attention_dropout" if args.dropout else "attention")
+    common.report(name, rows, table, settings, args, None if args.decode else plot)
 
 
 if __name__ == "__main__":

@@ -9,19 +9,22 @@ serialised wgmma, instructions and exps per tile), so a change can be judged bef
 
     python benchmarks/sm90_profile.py                      # every variant
     python benchmarks/sm90_profile.py t5_enc_d64 nobias_d64  # some variants
+    python benchmarks/sm90_profile.py --dropout            # the attention-dropout variants and their baselines
     BLOCKS="fwd:128,64,8,3;dq:64,64,4,2" python ...          # try other (BLOCK_M, BLOCK_N, warps, stages)
                                                            # per kernel: fwd, dkdv, dq (bwd: dkdv and dq)
 
 Use triton 3.6.0 (the version paired with torch 2.11 on the H100) in its own venv: `pip install triton==3.6.0 torch`.
 The kernel module must keep the names this tool reads: _forward_kernel, _backward_dkdv_kernel,
-_backward_dq_kernel, _blocks(head_dim, kernel, device); adapt VARIANTS/arguments below when they change.
+_backward_dq_kernel, _blocks(head_dim, kernel, device, dropout); adapt VARIANTS/arguments below when they change.
 
 Output: one JSON line per kernel, then a table; loop bodies largest first. The kernels run one loop per kind of
 tile: forward and dQ over key tiles far-left, near band, far-right (T5); dK/dV over query tiles far-right, near
 band, far-left; with ALiBi or no bias one loop, plus a causal-diagonal loop when causal. `far/ceiling` compares the
 far-tile loop (the second largest when there are several: the largest is the near band or causal diagonal) with
 the same loop of the variant's no-bias ceiling (same dtype, head dim and causality); `exp2/elem` is that loop's
-MUFU count over the scores one thread holds (1 = one exp2 per score, plus the per-row rescale).
+MUFU count over the scores one thread holds (1 = one exp2 per score, plus the per-row rescale). Variants ending in
+`_drop` compile attention dropout in (DROPOUT=True); `far/no-drop` compares their far loop with the same loop of
+the variant without dropout.
 """
 import collections
 import json
@@ -54,7 +57,7 @@ class _Cuda:
     type = "cuda"
 
 
-def blocks(head_dim, kernel):
+def blocks(head_dim, kernel, dropout=False):
     """The kernel's tiles ("forward", "dkdv" or "dq"), or the BLOCKS override of them."""
     override = os.environ.get("BLOCKS")
     if override:
@@ -62,7 +65,7 @@ def blocks(head_dim, kernel):
         for key in {"forward": ("fwd",), "dkdv": ("dkdv", "bwd"), "dq": ("dq", "bwd")}[kernel]:
             if key in parts:
                 return tuple(int(x) for x in parts[key].split(","))
-    return K._blocks(head_dim, kernel, _Cuda())
+    return K._blocks(head_dim, kernel, _Cuda(), dropout)
 
 
 def loops(sass):
@@ -112,25 +115,28 @@ def build(tag, fn, signature, constants, divisible, num_warps, num_stages):
     return info
 
 
-def variant(tag, dtype="bf16", head_dim=64, bias=1, causal=False, kmask=False, varlen=False):
+def variant(tag, dtype="bf16", head_dim=64, bias=1, causal=False, kmask=False, varlen=False, dropout=False):
     pointer = POINTER[dtype]
     common = dict(MAX_DIST=128 if bias == 1 else 1, BIAS_TYPE=bias, CAUSAL=causal, HAS_KMASK=kmask,
-                  IS_VARLEN=varlen, HEAD_DIM=head_dim, DOT_PRECISION="tf32" if dtype != "fp32" else "ieee")
+                  IS_VARLEN=varlen, HEAD_DIM=head_dim, DOT_PRECISION="tf32" if dtype != "fp32" else "ieee",
+                  DROPOUT=dropout)
+    # The dropout arguments: the (seed, stream) tensor, the 16-bit threshold and 1 / (1 - p).
+    dropout_signature = dict(SEED="*i64", dropout_threshold="i32", dropout_scale="fp32")
     results = []
-    bm, bn, warps, stages = blocks(head_dim, "forward")
+    bm, bn, warps, stages = blocks(head_dim, "forward", dropout)
     fn = K._forward_kernel
     signature = {n: "i32" for n in fn.arg_names}
     signature.update(Q=pointer, K=pointer, V=pointer, Out=pointer, LSE="*fp32", LUT="*fp32", SLOPES="*fp32",
-                     KMASK="*fp32", CU_Q="*i32", CU_K="*i32", qk_scale="fp32")
+                     KMASK="*fp32", CU_Q="*i32", CU_K="*i32", qk_scale="fp32", **dropout_signature)
     divisible = [n for n in fn.arg_names if (n[0].isupper() and n not in common) or
                  (n.startswith("stride") and n != "stride_lut_h")] + ["seqlen_q", "seqlen_k"]
     results.append(build(tag, fn, signature, dict(common, BLOCK_M=bm, BLOCK_N=bn), divisible, warps, stages))
     for fn, kernel in ((K._backward_dkdv_kernel, "dkdv"), (K._backward_dq_kernel, "dq")):
-        bm, bn, warps, stages = blocks(head_dim, kernel)
+        bm, bn, warps, stages = blocks(head_dim, kernel, dropout)
         signature = {n: "i32" for n in fn.arg_names}
         signature.update({n: pointer for n in ("Q", "K", "V", "DO", "DK", "DV", "DQ")})
         signature.update(LSE="*fp32", DELTA="*fp32", DLUT="*fp32", LUT="*fp32", SLOPES="*fp32", KMASK="*fp32",
-                         CU_Q="*i32", CU_K="*i32", qk_scale="fp32", scale="fp32")
+                         CU_Q="*i32", CU_K="*i32", qk_scale="fp32", scale="fp32", **dropout_signature)
         divisible = [n for n in fn.arg_names if (n[0].isupper() and n not in common) or
                      (n.startswith("stride") and n != "stride_lut_h")] + ["seqlen_q", "seqlen_k"]
         results.append(build(tag, fn, signature, dict(common, BLOCK_M=bm, BLOCK_N=bn), divisible, warps, stages))
@@ -148,10 +154,17 @@ VARIANTS["alibi_d64"] = dict(bias=2, kmask=True)
 VARIANTS["t5_varlen_d64"] = dict(bias=1, varlen=True)
 for _tag in ("t5_enc_d64", "t5_dec_d64", "nobias_d64", "nobias_causal_d64"):
     VARIANTS[_tag + "_fp16"] = dict(VARIANTS[_tag], dtype="fp16")
+# Attention dropout: each variant of issue 25's list against itself without dropout (`far/no-drop`).
+DROPOUT_VARIANTS = ("t5_enc_d64", "t5_dec_d64", "t5_varlen_d64", "alibi_d64", "nobias_d64", "t5_enc_d128",
+                    "t5_dec_d128", "t5_enc_d64_fp16")
+for _tag in DROPOUT_VARIANTS:
+    VARIANTS[_tag + "_drop"] = dict(VARIANTS[_tag], dropout=True)
 
 
 def ceiling(tag):
     options = VARIANTS[tag]
+    if options.get("dropout"):
+        return ceiling(tag.removesuffix("_drop"))
     suffix = "_fp16" if options.get("dtype") == "fp16" else ""
     causal = "_causal" if options.get("causal") else ""
     return f"nobias{causal}_d{options.get('head_dim', 64)}{suffix}"
@@ -165,7 +178,10 @@ def far_loop(tag, row):
 
 
 if __name__ == "__main__":
-    chosen = sys.argv[1:] or list(VARIANTS)
+    chosen = [tag for tag in sys.argv[1:] if tag != "--dropout"]
+    if "--dropout" in sys.argv[1:]:
+        chosen += [tag for base in DROPOUT_VARIANTS for tag in (base, base + "_drop") if tag not in chosen]
+    chosen = chosen or [tag for tag in VARIANTS if not VARIANTS[tag].get("dropout")]
     rows = []
     for tag in chosen:
         for row in variant(tag, **VARIANTS[tag]):
@@ -174,7 +190,7 @@ if __name__ == "__main__":
     found = {(r["tag"], r["kernel"]): r for r in rows if "error" not in r}
     print(f"\ntriton {triton.__version__}, sm_90a, BLOCKS={os.environ.get('BLOCKS', 'kernel default')}")
     print(f"{'variant':20} {'kernel':22} {'tiles':12} {'regs':>4} {'spill':>6} {'smem':>6} {'serial':>6} "
-          f"{'far/ceiling':>11} {'exp2/elem':>9}  loop bodies (instructions/exp2)")
+          f"{'far/ceiling':>11} {'far/no-drop':>11} {'exp2/elem':>9}  loop bodies (instructions/exp2)")
     for r in rows:
         if "error" in r:
             print(f"{r['tag']:20} {r['kernel']:22} COMPILE ERROR {r['error'][:80]}")
@@ -184,6 +200,10 @@ if __name__ == "__main__":
         reference = found.get((ceiling(r["tag"]), r["kernel"]))
         reference = far_loop(ceiling(r["tag"]), reference) if reference else None
         ratio = f"{far['instructions'] / reference['instructions']:.2f}" if far and reference else "-"
+        without = found.get((r["tag"].removesuffix("_drop"), r["kernel"])) if r["tag"].endswith("_drop") else None
+        without = far_loop(None, without) if without else None
+        dropout_ratio = f"{far['instructions'] / without['instructions']:.2f}" if far and without else "-"
         per_element = f"{far['mufu'] / r['elements']:.2f}" if far else "-"
         print(f"{r['tag']:20} {r['kernel']:22} {r['config']:12} {r['registers']:>4} {r['spill_bytes']:>6} "
-              f"{r['smem']:>6} {str(r['wgmma_serialized']):>6} {ratio:>11} {per_element:>9}  {bodies}")
+              f"{r['smem']:>6} {str(r['wgmma_serialized']):>6} {ratio:>11} {dropout_ratio:>11} {per_element:>9}  "
+              f"{bodies}")

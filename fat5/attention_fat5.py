@@ -154,9 +154,10 @@ def sdpa_attention_forward(query, key, value, *, segments=None, output_attention
     return sdpa_attention(query, key, value, **_segment_ids(segments), **kwargs), None
 
 
-def triton_attention_forward(query, key, value, *, segments=None, output_attentions=False, dropout_p=0.0,
-                             position_bias=None, **kwargs):
-    """The Triton kernel; `select_attention_backend` never picks it with dropout or a dense bias."""
+def triton_attention_forward(query, key, value, *, segments=None, output_attentions=False, position_bias=None,
+                             **kwargs):
+    """The Triton kernel, attention dropout included; `select_attention_backend` never picks it with a dense bias.
+    The dropout seed is drawn from torch's generator for the device on each call (see `draw_dropout_seed`)."""
     # Imported lazily: the kernel needs triton, which CPU-only installs lack.
     from .kernels.flash_attention_t5 import flash_attention_t5, flash_attention_t5_varlen
 
@@ -202,12 +203,17 @@ def triton_head_dims():
 
 
 def select_attention_backend(config, query, needs_dense_bias, dropout_p):
-    """Name of the backend for this call: the configured one, or for "auto" the fastest that is exact here."""
+    """Name of the backend for this call: the configured one, or for "auto" the fastest that is exact here.
+
+    "auto" runs the kernel on CUDA, with or without attention dropout (the kernel draws its mask in-kernel), and
+    SDPA only where the kernel cannot run: a dense bias (FIRE's, computed by an MLP per pair), a head dim outside
+    its tiles, or a tensor that is not on CUDA; output_attentions runs eager (`attention_function`).
+    `dropout_p` is part of the call's description but no longer decides the backend."""
     backend = config.attention_backend
-    if backend == "triton" and (needs_dense_bias or dropout_p > 0):
+    if backend == "triton" and needs_dense_bias:
         raise ValueError(
-            "attention_backend='triton' has no attention dropout and no FIRE bias: set "
-            "config.attention_dropout_rate=0.0 (or call model.eval()), or use attention_backend='sdpa'"
+            "attention_backend='triton' has no dense bias (FIRE's is an MLP of every query-key pair): use "
+            "attention_backend='sdpa' or 'auto'"
         )
     if backend == "triton" and query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
@@ -217,7 +223,7 @@ def select_attention_backend(config, query, needs_dense_bias, dropout_p):
         return backend
     if getattr(config, "_attn_implementation", None) == "eager":
         return "eager"
-    if query.is_cuda and not needs_dense_bias and dropout_p == 0 and query.shape[-1] in triton_head_dims():
+    if query.is_cuda and not needs_dense_bias and query.shape[-1] in triton_head_dims():
         return "triton"
     return "sdpa"
 

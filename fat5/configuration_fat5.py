@@ -81,8 +81,9 @@ class FAT5Config(PretrainedConfig):
     attention_scale (`float`, defaults to 1.0):
         Scale of the q·k product. T5 folds 1/sqrt(d_kv) into its initialisation, so it uses 1.0.
     attention_dropout_rate (`float`, *optional*):
-        Dropout on attention probabilities; defaults to `dropout_rate` as in T5. The Triton kernel has no dropout:
-        while it is active in training, attention runs through SDPA instead.
+        Dropout on attention probabilities; defaults to `dropout_rate` as in T5 (0.1 in Google's checkpoints, so
+        in a converted FLAN-T5). Every backend applies it in training, the Triton kernel included: it drops
+        probabilities in-kernel with a Philox generator seeded from torch's, scaled by 1 / (1 - p) as T5 does.
     attention_backend (`str`, defaults to `"auto"`):
         `"auto"` uses the Triton kernel for CUDA tensors when Triton is installed and SDPA otherwise;
         `"eager"`, `"sdpa"` or `"triton"` force one.

@@ -187,6 +187,28 @@ def load_model(model_args, training_args, classes):
     return model
 
 
+def training_attention(config, device):
+    """How attention trains on `device` (a FAT5 config; None for another model): the backend "auto" or the
+    configured one picks, and the attention dropout it applies. A converted FLAN-T5 keeps Google's dropout_rate 0.1
+    as attention_dropout_rate, which FAT5's Triton kernel applies in-kernel on CUDA."""
+    if not hasattr(config, "attention_backend") or not hasattr(config, "attention_dropout_rate"):
+        return None
+    from types import SimpleNamespace
+
+    from fat5.attention_fat5 import select_attention_backend
+
+    # select_attention_backend reads only these of a query (its device, head dim) under "auto".
+    query = SimpleNamespace(is_cuda=device.type == "cuda", shape=(1, config.num_heads, 1, config.d_kv), device=device)
+    try:
+        backend = select_attention_backend(config, query, config.position_encoding_type == "fire",
+                                           config.attention_dropout_rate)
+    except ValueError as error:  # e.g. "triton" forced on a CPU: the first forward says the same
+        return f"attention in training: {error_line(error)}"
+    names = {"triton": "FAT5's Triton kernel", "sdpa": "SDPA", "eager": "the eager reference"}
+    return (f"attention in training: {names.get(backend, backend)} on {device.type}, attention dropout "
+            f"{config.attention_dropout_rate:g} (config.attention_dropout_rate)")
+
+
 class RecipeSeq2SeqTrainer(RunFolderTrainerMixin, Seq2SeqTrainer):
     """Seq2SeqTrainer with the run folder's checkpoints, whose --generation_max_length holds even when the
     model's generation config sets max_new_tokens (which generate() would prefer to Seq2SeqTrainer's max_length)."""
@@ -372,6 +394,8 @@ def train_evaluate_predict(recipe, model_args, data_args, training_args, classes
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
     encoded = {split: encode(tokenizer, *examples[split], data_args, classes, tables[split]) for split in tables}
     model = load_model(model_args, training_args, classes)
+    if training_args.do_train and (line := training_attention(model.config, training_args.device)):
+        logger.info(line)
     generates = recipe.seq2seq and classes is None and training_args.predict_with_generate
     if generates and training_args.generation_max_length is None and model.generation_config.max_new_tokens is None:
         training_args.generation_max_length = data_args.max_target_length

@@ -83,6 +83,14 @@ def test_loss_memory_smoke_run(tmp_path):
     assert isinstance(row["liger"], dict) or row["liger"].startswith("not measured: ")
 
 
+def test_attention_dropout_smoke_compares_the_kernel_with_and_without_dropout(tmp_path):
+    stdout, rows = run_smoke("attention.py", tmp_path, "--dropout", "0.1", "--causal", "no", "--impl",
+                             "fat5,fat5_nodropout,sdpa_dense_bias")
+    assert {row["implementation"] for row in rows if row["status"] == "ok"} == {"fat5", "fat5_nodropout",
+                                                                              "sdpa_dense_bias"}
+    assert "fat5 / fat5_nodropout" in stdout
+
+
 def test_decode_smoke_run_writes_rows(tmp_path):
     stdout, rows = run_smoke("attention.py", tmp_path, "--decode")
     assert "| batch | Lk | fat5 | sdpa_dense_bias | sdpa_nobias |" in stdout
@@ -94,11 +102,13 @@ def test_decode_smoke_run_writes_rows(tmp_path):
     ("train_step.py", ["--lengths", "512,0"], "argument --lengths: 0 is not a positive integer"),
     ("generate.py", ["--shape", "d_model=x"], "error: --shape d_model: 'x' is not an integer"),
     ("attention.py", ["--decode", "--decode-batches", "one"], "argument --decode-batches: 'one' is not an integer"),
+    ("attention.py", ["--dropout", "1.0"], "--dropout 1.0: must be in [0, 1)"),
     ("gpu_suite.py", ["--stages", "tests,nope"], "unknown --stages ['tests', 'nope']; choose from attention_decode, "
-     "attention_decoder, attention_encoder, generate, gpu_tests, loss_memory, train_step, train_step_compiled"),
+     "attention_decoder, attention_decoder_dropout, attention_encoder, attention_encoder_dropout, generate, "
+     "gpu_tests, loss_memory, train_step, train_step_compiled"),
     ("gpu_suite.py", ["--timeout", "generate=0"], "--timeout 'generate=0': expected STAGE=SECONDS with STAGE one of "
-     "attention_decode, attention_decoder, attention_encoder, generate, gpu_tests, loss_memory, train_step, "
-     "train_step_compiled"),
+     "attention_decode, attention_decoder, attention_decoder_dropout, attention_encoder, attention_encoder_dropout, "
+     "generate, gpu_tests, loss_memory, train_step, train_step_compiled"),
 ])
 def test_bad_flag_is_one_error_line_and_nonzero_exit(tmp_path, script, flags, message):
     output = ["--out", str(tmp_path / "out")] if script == "gpu_suite.py" else ["--out-dir", str(tmp_path)]
@@ -121,10 +131,10 @@ def test_gpu_suite_smoke_isolates_stages_collects_and_ends_with_the_goal_table(t
     assert "[loss_memory] ok" in result.stdout
     table = result.stdout[result.stdout.index("| goal | figure | status |"):].splitlines()
     lines = [line for line in table if line.startswith("|")][2:]
-    assert len(lines) == 10 and all(line.endswith(("| met |", "| MISSED |", "| not measured |")) for line in lines)
+    assert len(lines) == 12 and all(line.endswith(("| met |", "| MISSED |", "| not measured |")) for line in lines)
     assert {path.name for path in out.iterdir()} >= {"results.json", "tables.md", "suite.log"}
     document = json.loads((out / "results.json").read_text())
-    assert "loss_memory.json" in document["stages"]["loss_memory"] and len(document["goals"]) == 10
+    assert "loss_memory.json" in document["stages"]["loss_memory"] and len(document["goals"]) == 12
     assert (BENCHMARKS / "RESULTS.md").read_text() == results_before  # a smoke run writes nothing in the tree
 
 
@@ -141,6 +151,15 @@ def test_gpu_suite_goals_from_rows():
     statuses = [goal["status"] for goal in gpu_suite.kernel_goals(rows)]
     assert statuses == ["met", "MISSED", "met", "MISSED"]  # 250 < 280; 210 / 120 < 2
     assert [goal["status"] for goal in gpu_suite.kernel_goals([])] == ["not measured"] * 4
+
+    dropout_rows = [attention("fat5", 2048, "fwd+bwd", 160), attention("fat5_nodropout", 2048, "fwd+bwd", 200),
+                    attention("sdpa_dense_bias", 2048, "fwd+bwd", 20), attention("fat5", 512, "fwd+bwd", 100),
+                    attention("fat5_nodropout", 512, "fwd+bwd", 150), attention("sdpa_dense_bias", 512, "fwd+bwd", 25)]
+    goals = gpu_suite.dropout_goals(dropout_rows)
+    assert [goal["status"] for goal in goals] == ["MISSED", "MISSED"]  # 100 / 25 < 5; 100 / 150 < 0.75
+    assert [goal["figure"] for goal in goals] == ["4.00x", "0.67x"]
+    assert [goal["status"] for goal in gpu_suite.dropout_goals(dropout_rows[:3])] == ["met", "met"]
+    assert [goal["status"] for goal in gpu_suite.dropout_goals([])] == ["not measured"] * 2
 
     def train(name, length, tokens_per_s, status="ok"):
         return dict(implementation=name, L=length, tokens_per_s=tokens_per_s, status=status)

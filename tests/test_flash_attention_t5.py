@@ -2,7 +2,8 @@
 
 Without CUDA the kernels run in Triton's interpreter (tests/conftest.py), so shapes are small but ragged:
 lengths are not multiples of the 16-wide interpreter tiles (nor of the GPU tiles). Outputs are poisoned with NaN
-before each call. With CUDA the same tests run on the GPU.
+before each call. With CUDA the same tests run on the GPU. With attention dropout, the reference applies the mask
+that tests/references.py draws in torch from the same seed.
 """
 
 import importlib
@@ -17,7 +18,12 @@ from fat5.kernels import flash_attention_t5 as kernel_module
 from fat5.kernels.flash_attention_t5 import flash_attention_t5, flash_attention_t5_varlen, relative_bias_lut
 from fat5.reference_fat5 import dense_bias, relative_position_bucket, relative_positions
 from fat5.reference_fat5 import eager_attention as flash_attention_t5_reference
-from references import flash_attention_t5_varlen_reference
+from references import (
+    attention_with_dropout_mask_reference,
+    dropout_keep_mask_reference,
+    flash_attention_t5_varlen_reference,
+    philox4x32,
+)
 
 # fp32 inputs against the fp64 reference: |error| <= TOLERANCE * max |reference|.
 FP32_TOLERANCE = 1e-4
@@ -51,17 +57,34 @@ def key_mask(batch, key_length):
     return torch.ones(batch, key_length, dtype=torch.bool, device=KERNEL_DEVICE)
 
 
-def check_against_reference(q, k, v, table=None, tolerance=FP32_TOLERANCE, **kwargs):
-    """Run kernel and fp64 reference forward and backward; compare output and every gradient."""
+def seed_tensor(seed=0, stream=0):
+    """A dropout seed as the kernel takes it: (Philox key, stream) as a (2,) int64 tensor."""
+    return torch.tensor([seed, stream], dtype=torch.int64, device=KERNEL_DEVICE)
+
+
+def check_against_reference(q, k, v, table=None, tolerance=FP32_TOLERANCE, dropout_p=0.0, dropout_seed=None,
+                            **kwargs):
+    """Run kernel and fp64 reference forward and backward; compare output and every gradient. With dropout, the
+    reference drops what `dropout_keep_mask_reference` draws from the same seed."""
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     reference_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     bias = {}
     if table is not None:
         table_leaf, table_reference = table.clone().requires_grad_(), table.double().requires_grad_()
         bias = dict(num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE)
-    out = flash_attention_t5(*leaves, **bias, **kwargs, **({"bias_table": table_leaf} if table is not None else {}))
-    expected = flash_attention_t5_reference(*reference_leaves, **bias, **kwargs,
-                                            **({"bias_table": table_reference} if table is not None else {}))
+    dropout = {}
+    if dropout_p:
+        dropout = dict(dropout_p=dropout_p, dropout_seed=dropout_seed)
+    out = flash_attention_t5(*leaves, **bias, **kwargs, **dropout,
+                             **({"bias_table": table_leaf} if table is not None else {}))
+    if dropout_p:
+        keep = dropout_keep_mask_reference(dropout_seed, dropout_p, q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        expected, _ = attention_with_dropout_mask_reference(
+            *reference_leaves, keep.to(KERNEL_DEVICE), dropout_p, **bias, **kwargs,
+            **({"bias_table": table_reference} if table is not None else {}))
+    else:
+        expected = flash_attention_t5_reference(*reference_leaves, **bias, **kwargs,
+                                                **({"bias_table": table_reference} if table is not None else {}))
     assert not out.isnan().any()
     close(out, expected, tolerance, "output")
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(KERNEL_DEVICE, out.dtype)
@@ -151,9 +174,9 @@ def test_dq_query_tiles_taller_than_key_tiles(monkeypatch, bidirectional):
     default_blocks = kernel_module._blocks
     kernels = []
 
-    def blocks(head_dim, kernel, device):
+    def blocks(head_dim, kernel, device, dropout=False):
         kernels.append(kernel)
-        return (32, 16, 1, 1) if kernel == "dq" else default_blocks(head_dim, kernel, device)
+        return (32, 16, 1, 1) if kernel == "dq" else default_blocks(head_dim, kernel, device, dropout)
 
     monkeypatch.setattr(kernel_module, "_blocks", blocks)
     past = 0 if bidirectional else 9
@@ -396,6 +419,373 @@ def test_realistic_sizes_in_bf16_on_gpu(causal, length):
     outputs = [flash_attention_t5(*leaves[:3], **{**options, "bias_table": leaves[3]}),
                flash_attention_t5_reference(*low[:3], **{**options, "bias_table": low[3]}),
                flash_attention_t5_reference(*exact[:3], **{**options, "bias_table": exact[3]})]
+    grad = torch.randn(outputs[0].shape, device="cuda", generator=generator, dtype=torch.bfloat16)
+    for out in outputs:
+        out.backward(grad.to(out.dtype))
+    pairs = [(outputs[0], outputs[1], outputs[2], "output")]
+    pairs += [(a.grad, b.grad, c.grad, name) for a, b, c, name in zip(leaves, low, exact, ["dq", "dk", "dv", "dt"])]
+    for ours, torch_low, reference, name in pairs:
+        our_error = (ours.double() - reference).abs().max().item()
+        torch_error = (torch_low.double() - reference).abs().max().item()
+        assert our_error <= 2 * torch_error + 1e-3 * reference.abs().max().item(), name
+
+
+# ---- Attention dropout in the kernels (issue 25) ----------------------------------------------------------------
+
+
+def test_philox_is_random123s_and_the_kernels_is_tritons():
+    """The torch reference is Philox4x32 as Random123 publishes it (its known-answer vectors, 10 rounds), and the
+    kernels' Philox (one 64-bit product per multiply) computes tl.philox's words at the kernels' round count."""
+    known_answers = [  # counter, key, words (Random123's kat_vectors, philox4x32 10 rounds)
+        ([0, 0, 0, 0], (0, 0), [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]),
+        ([0xFFFFFFFF] * 4, (0xFFFFFFFF, 0xFFFFFFFF), [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]),
+        ([0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], (0xA4093822, 0x299F31D0),
+         [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]),
+    ]
+    for counter, key, words in known_answers:
+        assert [int(w) for w in philox4x32([torch.tensor([c]) for c in counter], key, rounds=10)] == words
+
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def both_philox(SEED, OUT, ROUNDS: tl.constexpr):
+        offsets = tl.arange(0, 64)
+        c0 = offsets.to(tl.uint32) * 2654435761
+        c1 = offsets.to(tl.uint32) * 7 + 3
+        c2 = offsets.to(tl.uint32) ^ 0xF0F0F0F0
+        c3 = offsets.to(tl.uint32) * 0 + 0xDEADBEEF
+        seed = tl.load(SEED)
+        ours = kernel_module._philox4x32(c0, c1, c2, c3, seed.to(tl.uint32), (seed >> 32).to(tl.uint32), ROUNDS)
+        theirs = tl.philox(seed, c0, c1, c2, c3, ROUNDS)
+        for index in tl.static_range(4):
+            tl.store(OUT + index * 64 + offsets, ours[index].to(tl.int64))
+            tl.store(OUT + 256 + index * 64 + offsets, theirs[index].to(tl.int64))
+
+    seed = torch.tensor([-8551031580637462797], dtype=torch.int64, device=KERNEL_DEVICE)
+    out = torch.zeros(512, dtype=torch.int64, device=KERNEL_DEVICE)
+    both_philox[(1,)](seed, out, ROUNDS=kernel_module.PHILOX_ROUNDS)
+    assert torch.equal(out[:256], out[256:])
+    offsets = torch.arange(64)
+    key = -8551031580637462797 & 0xFFFFFFFFFFFFFFFF
+    words = philox4x32([(offsets * 2654435761) & 0xFFFFFFFF, offsets * 7 + 3, offsets ^ 0xF0F0F0F0,
+                        torch.full((64,), 0xDEADBEEF)], (key & 0xFFFFFFFF, key >> 32), kernel_module.PHILOX_ROUNDS)
+    assert torch.equal(torch.cat(words), out[:256].cpu())
+
+
+@pytest.mark.parametrize("case", [
+    "encoder_right_padding", "encoder_left_padding", "decoder_causal", "decode_offset", "decode_far_beyond",
+    "alibi_causal", "alibi", "cross_no_bias_scale", "long_far_tiles", "head_dim_64", "head_dim_128",
+    "fully_masked_rows", "fp16",
+])
+def test_dropout_matches_the_mask_a_reference_draws(case):
+    """Output and every gradient (q, k, v, bias table) equal the fp64 reference that drops the mask drawn in torch
+    from the same seed, on every bias, causal and not, with padding and decode offsets."""
+    seed = seed_tensor(1234567890123 + len(case), 77 + len(case))
+    dropout = dict(dropout_p=0.3 if case != "long_far_tiles" else 0.1, dropout_seed=seed)
+    if case.startswith("encoder"):
+        q, k, v, table = inputs(2, 3, 37, 45, 32, seed=30)
+        mask = key_mask(2, 45)
+        if case == "encoder_right_padding":
+            mask[1, 36:] = False
+        else:
+            mask[0, :7] = False
+        check_against_reference(q, k, v, table, key_padding_mask=mask, bidirectional=True, **dropout)
+    elif case == "decoder_causal":
+        q, k, v, table = inputs(2, 2, 33, 33, 32, seed=31)
+        mask = key_mask(2, 33)
+        mask[1, 28:] = False
+        check_against_reference(q, k, v, table, bidirectional=False, causal=True, key_padding_mask=mask, **dropout)
+    elif case == "decode_offset":
+        q, k, v, table = inputs(2, 2, 5, 34, 32, seed=32)
+        check_against_reference(q, k, v, table, bidirectional=False, causal=True, q_offset=29, **dropout)
+    elif case == "decode_far_beyond":
+        past = 3 * MAX_DISTANCE + 5
+        q, k, v, table = inputs(1, 2, 3, past + 3, 32, seed=33)
+        check_against_reference(q, k, v, table, bidirectional=False, causal=True, q_offset=past, **dropout)
+    elif case.startswith("alibi"):
+        q, k, v, _ = inputs(2, 4, 29, 29, 32, seed=34)
+        mask = key_mask(2, 29)
+        mask[0, 20:] = False
+        check_against_reference(q, k, v, alibi_slopes=alibi_slopes(4).to(KERNEL_DEVICE), causal=case == "alibi_causal",
+                                key_padding_mask=mask, **dropout)
+    elif case == "cross_no_bias_scale":
+        q, k, v, _ = inputs(2, 2, 21, 34, 32, seed=35)
+        mask = key_mask(2, 34)
+        mask[1, 25:] = False
+        check_against_reference(q, k, v, key_padding_mask=mask, scale=32 ** -0.5, **dropout)
+    elif case == "long_far_tiles":
+        q, k, v, table = inputs(1, 2, 70, 70, 32, seed=36)
+        check_against_reference(q, k, v, table, bidirectional=True, **dropout)
+    elif case.startswith("head_dim"):
+        q, k, v, table = inputs(1, 2, 20, 23, int(case.rsplit("_", 1)[1]), seed=37)
+        check_against_reference(q, k, v, table, bidirectional=True, **dropout)
+    elif case == "fully_masked_rows":
+        q, k, v, table = inputs(3, 2, 18, 18, 32, seed=38)
+        mask = key_mask(3, 18)
+        mask[1, :4] = False
+        mask[2] = False
+        check_against_reference(q, k, v, table, bidirectional=False, causal=True, key_padding_mask=mask, **dropout)
+    else:
+        q, k, v, table = inputs(1, 2, 33, 33, 32, dtype=torch.float16, seed=39)
+        check_against_reference(q, k, v, table, tolerance=FP16_TOLERANCE, bidirectional=True, **dropout)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_dropout_with_dq_tiles_taller_than_key_tiles(monkeypatch, bidirectional):
+    """The near band's per-diagonal table gradient with dropout, on 32 x 16 dQ tiles (GPU dQ tiles are 128 x 32)."""
+    default_blocks = kernel_module._blocks
+
+    def blocks(head_dim, kernel, device, dropout=False):
+        return (32, 16, 1, 1) if kernel == "dq" else default_blocks(head_dim, kernel, device, dropout)
+
+    monkeypatch.setattr(kernel_module, "_blocks", blocks)
+    past = 0 if bidirectional else 9
+    q, k, v, table = inputs(2, 2, 61, past + 61, 32, seed=40)
+    mask = key_mask(2, past + 61)
+    mask[1, -6:] = False
+    check_against_reference(q, k, v, table, bidirectional=bidirectional, causal=not bidirectional, q_offset=past,
+                            key_padding_mask=mask, dropout_p=0.2, dropout_seed=seed_tensor(41, 42))
+
+
+# The GPU's tiles: (forward, dK/dV, dQ) (BLOCK_M, BLOCK_N). The interpreter's default 16-wide key tiles take the
+# kernel's half-group branch; these take the 32- and 64-wide ones (one and two Philox groups per row).
+GPU_SIZED_TILES = {"d64": {"forward": (128, 64), "dkdv": (128, 64), "dq": (128, 32)},
+                   "d128": {"forward": (128, 32), "dkdv": (64, 32), "dq": (128, 32)},
+                   "mixed": {"forward": (32, 32), "dkdv": (32, 64), "dq": (64, 64)}}
+
+
+@pytest.mark.parametrize("tiles", list(GPU_SIZED_TILES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_on_gpu_sized_tiles(monkeypatch, tiles, causal):
+    """The same mask whatever the tiles (it is a function of the pair alone): forward and backward on the GPU's
+    32- and 64-wide key tiles, against the reference, on ragged lengths with padding."""
+    def blocks(head_dim, kernel, device, dropout=False):
+        return (*GPU_SIZED_TILES[tiles][kernel], 1, 1)
+
+    monkeypatch.setattr(kernel_module, "_blocks", blocks)
+    q, k, v, table = inputs(2, 2, 75, 90 if not causal else 75, 32, seed=48)
+    mask = key_mask(2, k.shape[2])
+    mask[1, -11:] = False
+    check_against_reference(q, k, v, table, bidirectional=not causal, causal=causal, key_padding_mask=mask,
+                            dropout_p=0.15, dropout_seed=seed_tensor(2**61 + 17, 2**31 + 5))
+
+
+@pytest.mark.parametrize("bias, causal, key_lengths", [
+    ("t5", False, None),
+    ("alibi", True, None),
+    ("t5", False, [40, 3, 12, 9]),  # cross attention: other key lengths
+])
+def test_dropout_in_varlen_packed_sequences(bias, causal, key_lengths):
+    """Packed sequence n draws the mask of batch entry n, rows and columns counted from its own start."""
+    query_lengths = [17, 1, 30, 9]
+    key_lengths = key_lengths or query_lengths
+    cu_q, cu_k = (torch.tensor([0] + n, device=KERNEL_DEVICE).cumsum(0).to(torch.int32)
+                  for n in (query_lengths, key_lengths))
+    heads, dim, dropout_p, seed = 3, 32, 0.25, seed_tensor(2**40 + 3, 5)
+    generator = torch.Generator().manual_seed(43)
+    q = torch.randn(sum(query_lengths), heads, dim, generator=generator).to(KERNEL_DEVICE)
+    k, v = (torch.randn(sum(key_lengths), heads, dim, generator=generator).to(KERNEL_DEVICE) for _ in range(2))
+    table = torch.randn(NUM_BUCKETS, heads, generator=generator).to(KERNEL_DEVICE)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, table)]
+    references = [t.double().requires_grad_() for t in (q, k, v, table)]
+    options = dict(causal=causal)
+    if bias == "t5":
+        options.update(num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE, bidirectional=not causal)
+    else:
+        options.update(alibi_slopes=alibi_slopes(heads).to(KERNEL_DEVICE))
+    table_leaf = {"bias_table": leaves[3]} if bias == "t5" else {}
+    table_reference = {"bias_table": references[3]} if bias == "t5" else {}
+    lengths = (cu_q, cu_k, max(query_lengths), max(key_lengths))
+    keep = dropout_keep_mask_reference(seed, dropout_p, len(query_lengths), heads, max(query_lengths),
+                                       max(key_lengths)).to(KERNEL_DEVICE)
+    out = flash_attention_t5_varlen(*leaves[:3], *lengths, **options, **table_leaf, dropout_p=dropout_p,
+                                    dropout_seed=seed)
+    expected = flash_attention_t5_varlen_reference(*references[:3], *lengths, dropout_keep=keep, dropout_p=dropout_p,
+                                                   **options, **table_reference)
+    close(out, expected, FP32_TOLERANCE, "output")
+    grad = torch.randn(out.shape, generator=generator).to(KERNEL_DEVICE)
+    out.backward(grad)
+    expected.backward(grad.double())
+    names = ["dq", "dk", "dv", "d bias_table"] if bias == "t5" else ["dq", "dk", "dv"]
+    for name, leaf, reference in zip(names, leaves, references):
+        close(leaf.grad, reference.grad, FP32_TOLERANCE, name)
+
+
+def observed_masks(dropout_p, draws, batch=2, heads=2, query_length=48, key_length=32):
+    """The kernel's masks of `draws` calls, each seeded from torch's generator, read back exactly: with q = k = 0
+    every probability is 1 / Lk, and with V the identity the output row is the kept columns times 1 / (Lk (1 - p))."""
+    q = torch.zeros(batch, heads, query_length, key_length, device=KERNEL_DEVICE)
+    k = torch.zeros(batch, heads, key_length, key_length, device=KERNEL_DEVICE)
+    v = torch.eye(key_length, device=KERNEL_DEVICE).expand(batch, heads, key_length, key_length).contiguous()
+    outputs = [flash_attention_t5(q, k, v, dropout_p=dropout_p) for _ in range(draws)]
+    return torch.stack(outputs) * key_length * (1 - dropout_p)
+
+
+@pytest.mark.parametrize("dropout_p", [0.1, 0.6])
+def test_dropout_keep_rate_is_within_binomial_bounds(dropout_p):
+    """Over many draws the kept fraction is 1 - p within 5 standard deviations (p as the kernel rounds it to 16
+    bits, 2**-17 away at most), overall and for each of the 32 key columns of a Philox group (each reads its own
+    half-word); kept values are scaled by exactly 1 / (1 - p)."""
+    torch.manual_seed(0)
+    masks = observed_masks(dropout_p, draws=12)
+    kept = masks > 0.5
+    assert torch.allclose(masks[kept], torch.ones(()), rtol=1e-6) and torch.equal(masks[~kept], masks[~kept] * 0)
+    keep_rate = 1 - round(dropout_p * 2**16) / 2**16
+    assert abs(keep_rate - (1 - dropout_p)) <= 2**-17
+    columns = kept.movedim(-1, 0).reshape(kept.shape[-1], -1).double()
+
+    def within_bounds(rate, count):
+        return abs(rate - keep_rate) <= 5 * (keep_rate * (1 - keep_rate) / count) ** 0.5
+
+    assert within_bounds(columns.mean().item(), columns.numel()), columns.mean().item()
+    for column, rates in enumerate(columns.mean(dim=1).tolist()):
+        assert within_bounds(rates, columns.shape[1]), (column, rates)
+    # Neighbouring pairs share a Philox word: their decisions must still be independent (correlation ~ 0).
+    first, second = columns[0::2].flatten(), columns[1::2].flatten()
+    correlation = torch.corrcoef(torch.stack([first, second]))[0, 1].item()
+    assert abs(correlation) <= 5 / first.numel() ** 0.5, correlation
+
+
+def test_zero_dropout_runs_todays_kernel_and_draws_nothing(monkeypatch):
+    """p = 0 launches the kernels with DROPOUT=False (the kernel without dropout, bit for bit) and leaves torch's
+    generator untouched; p > 0 launches DROPOUT=True."""
+    launches = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs["DROPOUT"])
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name in ("_forward_kernel", "_backward_dkdv_kernel", "_backward_dq_kernel"):
+        monkeypatch.setattr(kernel_module, name, Recorder(getattr(kernel_module, name)))
+    q, k, v, table = inputs(1, 2, 20, 20, 32, seed=44)
+    options = dict(bias_table=table, num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE)
+    results = []
+    for dropout in ({}, {"dropout_p": 0.0}):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        state = torch.get_rng_state()
+        out = flash_attention_t5(*leaves, **options, **dropout)
+        out.sum().backward()
+        assert torch.equal(torch.get_rng_state(), state)
+        results.append([out.detach(), *(leaf.grad for leaf in leaves)])
+    for without, zero in zip(*results):
+        assert torch.equal(without, zero)
+    assert launches == [False] * 6
+    launches.clear()
+    flash_attention_t5(q.requires_grad_(), k, v, **options, dropout_p=0.1).sum().backward()
+    assert launches == [True] * 3
+
+
+def test_dropout_seeds_reproduce_and_differ():
+    """The same seed gives the same output and gradients bit for bit, torch.manual_seed reproduces the drawn seed,
+    and other seeds give other masks."""
+    q, k, v, table = inputs(1, 2, 24, 24, 32, seed=45)
+    options = dict(bias_table=table, num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE, dropout_p=0.2)
+
+    def run(**seed):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attention_t5(*leaves, **options, **seed)
+        out.backward(torch.ones_like(out))
+        return [out.detach(), *(leaf.grad for leaf in leaves)]
+
+    def same(first, second):
+        return all(torch.equal(a, b) for a, b in zip(first, second))
+
+    assert same(run(dropout_seed=seed_tensor(5, 6)), run(dropout_seed=seed_tensor(5, 6)))
+    assert not torch.equal(run(dropout_seed=seed_tensor(5, 6))[0], run(dropout_seed=seed_tensor(5, 7))[0])
+    assert not torch.equal(run(dropout_seed=seed_tensor(5, 6))[0], run(dropout_seed=seed_tensor(6, 6))[0])
+    torch.manual_seed(11)
+    first = run()
+    torch.manual_seed(11)
+    assert same(first, run())
+    assert not torch.equal(first[0], run()[0])
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_recomputes_the_same_mask(use_reentrant):
+    """torch.utils.checkpoint (transformers', FSDP's) restores torch's generator before recomputing, so the
+    recomputed forward draws the same seed: every gradient equals the uncheckpointed one bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    q, k, v, table = inputs(2, 2, 21, 21, 32, seed=46)
+
+    def attention(q, k, v, table):
+        hidden = flash_attention_t5(q, k, v, bias_table=table, num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE,
+                                    dropout_p=0.3)
+        return flash_attention_t5(hidden, k, v, dropout_p=0.3, causal=True)  # two draws in one checkpoint
+
+    results = []
+    for checkpointed in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, table)]
+        torch.manual_seed(12)
+        out = checkpoint(attention, *leaves, use_reentrant=use_reentrant) if checkpointed else attention(*leaves)
+        out.backward(torch.ones_like(out))
+        results.append([out.detach(), *(leaf.grad for leaf in leaves)])
+    for name, plain, recomputed in zip(["output", "dq", "dk", "dv", "d bias_table"], *results):
+        assert torch.equal(plain, recomputed), name
+
+
+def test_torch_compile_traces_dropout_in_one_graph():
+    """fullgraph=True over the seed draw and the op; under the same torch.manual_seed the compiled call draws the
+    seed the eager call draws, so outputs and the table gradient match."""
+    q, k, v, table = inputs(1, 2, 20, 20, 32, seed=47)
+
+    def attention(q, k, v, table):
+        return flash_attention_t5(q, k, v, bias_table=table, num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE,
+                                  dropout_p=0.25)
+
+    results = []
+    for function in (attention, torch.compile(attention, backend="aot_eager", fullgraph=True)):
+        leaf = table.clone().requires_grad_()
+        torch.manual_seed(13)
+        out = function(q, k, v, leaf)
+        out.sum().backward()
+        results.append((out.detach(), leaf.grad))
+    close(results[1][0], results[0][0].double(), FP32_TOLERANCE, "compiled output")
+    close(results[1][1], results[0][1].double(), FP32_TOLERANCE, "compiled d bias_table")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda q: flash_attention_t5(q, q, q, dropout_p=1.0), "dropout_p must be in"),
+    (lambda q: flash_attention_t5(q, q, q, dropout_p=-0.1), "dropout_p must be in"),
+    (lambda q: flash_attention_t5(q, q, q, dropout_p=0.1, dropout_seed=torch.zeros(2, dtype=torch.int32)),
+     "dropout_seed must be"),
+])
+def test_bad_dropout_arguments_raise_clear_errors(make, message):
+    q, _, _, _ = inputs(1, 1, 8, 8, 32)
+    with pytest.raises(ValueError, match=message):
+        make(q)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_at_realistic_sizes_in_bf16_on_gpu(causal):
+    """bf16 at T5-base head shapes on the GPU's own tiles: with the mask the reference draws, our error against
+    fp64 within twice torch's bf16 error (plus a floor), output and every gradient."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    length, heads, dropout_p, seed = 1000, 4, 0.1, seed_tensor(2**50 + 3, 99)
+    q, k, v = (torch.randn(2, heads, length, 64, device="cuda", generator=generator, dtype=torch.bfloat16)
+               for _ in range(3))
+    table = torch.randn(32, heads, device="cuda", generator=generator)
+    mask = torch.ones(2, length, dtype=torch.bool, device="cuda")
+    mask[1, length - 100:] = False
+    options = dict(bidirectional=not causal, causal=causal, key_padding_mask=mask)
+    keep = dropout_keep_mask_reference(seed, dropout_p, 2, heads, length, length).cuda()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, table)]
+    low = [t.clone().requires_grad_() for t in (q, k, v, table)]
+    exact = [t.double().requires_grad_() for t in (q, k, v, table)]
+    outputs = [flash_attention_t5(*leaves[:3], bias_table=leaves[3], dropout_p=dropout_p, dropout_seed=seed,
+                                  **options)]
+    for tensors in (low, exact):
+        outputs.append(attention_with_dropout_mask_reference(*tensors[:3], keep, dropout_p, bias_table=tensors[3],
+                                                             **options)[0])
     grad = torch.randn(outputs[0].shape, device="cuda", generator=generator, dtype=torch.bfloat16)
     for out in outputs:
         out.backward(grad.to(out.dtype))

@@ -174,10 +174,53 @@ def test_padding_does_not_change_real_tokens():
         assert (real - alone).abs().max() <= 1e-5 * alone.abs().max()
 
 
-def test_triton_backend_refuses_dropout_in_training():
-    model = tiny_model(dropout_rate=0.1, attention_backend="triton").train()
-    with pytest.raises(ValueError, match="attention_backend='triton' has no attention dropout"):
+def test_triton_backend_trains_with_attention_dropout(monkeypatch):
+    """attention_dropout_rate 0.1 in training runs the kernel with its in-kernel dropout (it used to refuse), and
+    torch.manual_seed reproduces the step; eval runs it without dropout."""
+    from fat5.kernels import flash_attention_t5 as kernel_module
+
+    calls = []
+    kernel = kernel_module.flash_attention_t5
+    monkeypatch.setattr(kernel_module, "flash_attention_t5",
+                        lambda *args, **kwargs: calls.append(kwargs["dropout_p"]) or kernel(*args, **kwargs))
+    model = tiny_model(dropout_rate=0.1, num_heads=1, d_kv=32, num_layers=1, num_decoder_layers=1,
+                       attention_backend="triton").train()
+    batch = padded_batch(101, length=12, decoder_length=5)
+    losses = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        losses.append(model(**batch).loss)
+    assert torch.isfinite(losses[0]) and torch.equal(losses[0], losses[1])
+    assert calls == [0.1] * 3 * 2  # encoder self, decoder self and cross-attention, in both steps
+    calls.clear()
+    model.eval()(**batch)
+    assert calls == [0.0] * 3
+
+
+def test_triton_backend_still_refuses_a_dense_bias():
+    model = tiny_model(position_encoding_type="fire", attention_backend="triton")
+    with pytest.raises(ValueError, match="attention_backend='triton' has no dense bias"):
         model(**padded_batch(101))
+
+
+def test_auto_backend_runs_the_kernel_in_training_with_dropout():
+    """On CUDA, "auto" picks the kernel with or without dropout; SDPA only for a dense bias (FIRE) or a head dim
+    the kernel has no tiles for."""
+    from types import SimpleNamespace
+
+    from fat5.attention_fat5 import select_attention_backend, triton_installed
+
+    if not triton_installed():
+        pytest.skip("needs triton")
+
+    def cuda_query(head_dim):  # select_attention_backend reads only these of a CUDA query under "auto"
+        return SimpleNamespace(is_cuda=True, shape=(2, 4, 16, head_dim), device=torch.device("cuda"))
+
+    config = tiny_config(dropout_rate=0.1)
+    assert select_attention_backend(config, cuda_query(64), False, 0.1) == "triton"
+    assert select_attention_backend(config, cuda_query(64), False, 0.0) == "triton"
+    assert select_attention_backend(config, cuda_query(64), True, 0.1) == "sdpa"
+    assert select_attention_backend(config, cuda_query(48), False, 0.1) == "sdpa"
 
 
 def test_auto_backend_is_sdpa_on_cpu():

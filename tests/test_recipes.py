@@ -24,7 +24,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoModelForSequenceClassificati
 from conftest import tiny_config
 from isolated import run_isolated
 from recipes import classify, predict, summarization, train, translation
-from recipes.runner import fine_tune
+from recipes.runner import fine_tune, training_attention
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "recipes" / "configs"
@@ -463,3 +463,18 @@ def test_a_run_never_destroys_or_silently_changes_its_inputs(demo_fat5, data, tm
     assert recipe.main([*args, *TRAINER_FLAGS, "--do_train", *flags, "--resume_from_checkpoint", "last"]) == 0
     assert "this run finished (its final model is there); nothing to do" in capsys.readouterr().out
     assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-2"]
+
+
+def test_recipes_say_a_flan_t5_fine_tunes_with_its_own_dropout_on_the_kernel():
+    """A FLAN-T5-shaped config (dropout_rate 0.1, hence attention_dropout_rate 0.1) trains with the kernel on CUDA
+    (the line the runner logs before training), SDPA elsewhere, and only FIRE's dense bias leaves the kernel."""
+    pytest.importorskip("triton")
+    flan_shaped = tiny_config(dropout_rate=0.1, d_kv=64, num_heads=12)
+    assert flan_shaped.attention_dropout_rate == 0.1
+    assert training_attention(flan_shaped, torch.device("cuda")) == (
+        "attention in training: FAT5's Triton kernel on cuda, attention dropout 0.1 (config.attention_dropout_rate)")
+    assert training_attention(flan_shaped, torch.device("cpu")) == (
+        "attention in training: SDPA on cpu, attention dropout 0.1 (config.attention_dropout_rate)")
+    fire = tiny_config(dropout_rate=0.1, d_kv=64, position_encoding_type="fire")
+    assert training_attention(fire, torch.device("cuda")).startswith("attention in training: SDPA on cuda")
+    assert training_attention(object(), torch.device("cuda")) is None

@@ -19,6 +19,14 @@ either side it splits into a per-key and a per-row part); with no bias the kerne
 batch * heads is grid axis 0 (axis 1 is capped at 65535) and base offsets are int64 (no wrap past 2^31 elements).
 Layouts: padded (B, H, L, D) with an optional (B, Lk) key mask, or packed varlen (total, H, D) with
 cumulative sequence lengths, where sequences never see each other and positions restart at 0.
+
+Attention dropout (T5's `dropout` on the attention weights) runs in the kernels: each probability is kept or
+dropped by a counter-based generator (Philox4x32, 7 rounds) keyed by a seed tensor drawn from torch's generator
+for the device, and counted by the pair's (sequence, head, query row, key column), so the backward regenerates
+the forward's mask tile by tile and nothing of size L x L is stored (`_dropout_keep` says which bits decide
+which pair; tests/references.py draws the same mask in torch). Kept probabilities are scaled by 1 / (1 - p) as
+`nn.functional.dropout` does; the softmax's normaliser is that of the probabilities before dropout. Without
+dropout (DROPOUT=False, a compile-time switch) the kernels compile to exactly what they were without it.
 """
 
 import os
@@ -44,9 +52,15 @@ KERNEL_LOG2E = tl.constexpr(LOG2E)
 KEY_MASK_PAD = 128
 # Tests set this to fill outputs with NaN before the kernels run, so a tile left unwritten fails loudly.
 POISON_OUTPUTS = False
+# Philox rounds of the dropout generator. 7 is the fewest that Salmon et al. (SC 2011, "Parallel random numbers:
+# as easy as 1, 2, 3") found to pass BigCrush for Philox4x32 (10 is their default, with a safety margin); each
+# round costs 4 instructions per 128 random bits on sm_90a, about half of the dropout's work in a far tile.
+PHILOX_ROUNDS = tl.constexpr(7)
+# Each pair is decided by 16 random bits: dropped with probability round(p * 2**16) / 2**16, within 2**-17 of p.
+DROPOUT_BITS = 16
 
 
-def _blocks(head_dim, kernel, device):
+def _blocks(head_dim, kernel, device, dropout=False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of `kernel` ("forward", "dkdv" or "dq"). Small tiles in the CPU
     interpreter, Hopper-sized on GPU, chosen so that the sm_90a build of every kernel has no spills and no
     serialised wgmma (benchmarks/sm90_profile.py)."""
@@ -54,6 +68,13 @@ def _blocks(head_dim, kernel, device):
         return 16, 16, 1, 1
     if kernel == "forward":
         return (128, 64, 8, 3) if head_dim <= 64 else (128, 32, 8, 2)
+    if dropout:
+        # The mask's Philox rounds need registers that the backward's default tiles, at 247-255, do not have
+        # (they spilled 16-132 bytes): dK/dV at d = 64 spreads its accumulators over 8 warps (128 x 64), at
+        # d = 128 over 64 x 32 tiles on 4 warps; dQ takes the 128 x 32 tiles of d = 128 at every head dim.
+        if kernel == "dkdv":
+            return (128, 64, 8, 2) if head_dim <= 64 else (64, 32, 4, 2)
+        return 128, 32, 8, 2
     if kernel == "dkdv":
         return (64, 64, 4, 2) if head_dim <= 64 else (64, 32, 8, 2)
     # dQ at d = 128: two warpgroups of 64 query rows share each key tile. 64 rows on 8 warps computed every exp2
@@ -203,11 +224,88 @@ def _query_tile_bounds(start_n, q_len, k_len, q_offset, MAX_DIST: tl.constexpr, 
 
 
 @triton.jit
+def _philox4x32(c0, c1, c2, c3, k0, k1, ROUNDS: tl.constexpr):
+    """Philox4x32 (Random123's; `tl.philox` computes the same words) on uint32 counters (c0..c3) and key (k0, k1).
+    Each 32 x 32 -> 64-bit product is computed once (tl.philox takes its high and low halves separately: two
+    multiplies on sm_90a instead of one IMAD.WIDE)."""
+    for _ in tl.static_range(ROUNDS):
+        product0 = c0.to(tl.uint64) * 0xD2511F53
+        product2 = c2.to(tl.uint64) * 0xCD9E8D57
+        c0 = (product2 >> 32).to(tl.uint32) ^ c1 ^ k0
+        c2 = (product0 >> 32).to(tl.uint32) ^ c3 ^ k1
+        c1 = product2.to(tl.uint32)
+        c3 = product0.to(tl.uint32)
+        k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
+        k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _high_halves(word):
+    """(low 16 bits, high 16 bits) of `word` as the high halves of two words, on a new last axis: comparing either
+    with threshold << 16 compares its 16 bits with the threshold."""
+    return tl.join(word << 16, word)
+
+
+@triton.jit
+def _dropout_keep(rows, start_n, bh, seed_lo, seed_hi, stream, threshold_hi, BLOCK_N: tl.constexpr):
+    """Kept pairs (True) of the (rows, key tile at start_n) tile, [BLOCK_M, BLOCK_N].
+
+    The pair (query row i, key column j = 32 * g + 8 * w + 2 * t + e) of sequence b, head h is kept when the
+    16-bit half e (0: low) of word w of Philox4x32-7 on the counter (4 * g + t, i, b * H + h, seed[1]) with the
+    key seed[0] (low word first) is at least round(p * 2**16). The grouping follows the tensor-core accumulator,
+    where a thread holds columns 2t, 2t+1, 2t+8, ... of its rows: each Philox call feeds the 8 scores of one
+    thread, and joining the halves and words back into the tile moves no data between threads (one call per
+    column would cost 8 times as many rounds)."""
+    BLOCK_M: tl.constexpr = rows.shape[0]
+    tl.static_assert(BLOCK_N % 16 == 0, "dropout tiles are whole halves of 32-column groups")
+    if BLOCK_N >= 32:
+        GROUPS: tl.constexpr = BLOCK_N // 32
+        counter = (start_n // 32 + tl.arange(0, GROUPS))[:, None] * 4 + tl.arange(0, 4)[None, :]
+        c0 = counter[None, :, :].to(tl.uint32) + tl.zeros([BLOCK_M, 1, 1], dtype=tl.uint32)
+        c1 = rows[:, None, None].to(tl.uint32) + tl.zeros([1, GROUPS, 4], dtype=tl.uint32)
+        zero = tl.zeros([BLOCK_M, GROUPS, 4], dtype=tl.uint32)
+        r0, r1, r2, r3 = _philox4x32(c0, c1, zero + bh, zero + stream, seed_lo, seed_hi, PHILOX_ROUNDS)
+        # [M, g, t, e, s1, s2] with word w = 2 * s1 + s2, then ordered as the columns: [M, g, s1, s2, t, e].
+        bits = tl.join(tl.join(_high_halves(r0), _high_halves(r2)), tl.join(_high_halves(r1), _high_halves(r3)))
+        bits = tl.permute(bits, (0, 1, 4, 5, 2, 3))
+    else:
+        # 16-wide tiles (the interpreter's) cover words 0-1 or 2-3 of their group.
+        counter = (start_n // 32) * 4 + tl.arange(0, 4)
+        c0 = counter[None, :].to(tl.uint32) + tl.zeros([BLOCK_M, 1], dtype=tl.uint32)
+        c1 = rows[:, None].to(tl.uint32) + tl.zeros([1, 4], dtype=tl.uint32)
+        zero = tl.zeros([BLOCK_M, 4], dtype=tl.uint32)
+        r0, r1, r2, r3 = _philox4x32(c0, c1, zero + bh, zero + stream, seed_lo, seed_hi, PHILOX_ROUNDS)
+        second_half = start_n % 32 >= 16
+        first = tl.where(second_half, r2, r0)
+        last = tl.where(second_half, r3, r1)
+        bits = tl.permute(tl.join(_high_halves(first), _high_halves(last)), (0, 3, 1, 2))  # [M, w, t, e]
+    return tl.reshape(bits, [BLOCK_M, BLOCK_N]) >= threshold_hi
+
+
+@triton.jit
+def _dropout_state(SEED, pid_bh, dropout_threshold, DROPOUT: tl.constexpr):
+    """(bh, seed low and high words, stream, threshold << 16) of this program's dropout; zeros without dropout."""
+    bh = pid_bh.to(tl.uint32)
+    seed_lo = bh * 0
+    seed_hi = bh * 0
+    stream = bh * 0
+    threshold_hi = bh * 0
+    if DROPOUT:
+        seed = tl.load(SEED)
+        seed_lo = seed.to(tl.uint32)
+        seed_hi = (seed >> 32).to(tl.uint32)
+        stream = tl.load(SEED + 1).to(tl.uint32)
+        threshold_hi = dropout_threshold.to(tl.uint32) << 16
+    return bh, seed_lo, seed_hi, stream, threshold_hi
+
+
+@triton.jit
 def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, rows, offs_n, offs_d, b, h, k_len, q_offset,
                    qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES, KMASK, stride_mask_b,
                    MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr,
                    MASK_CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   BLOCK_N: tl.constexpr, bh, seed_lo, seed_hi, stream, threshold_hi, DROPOUT: tl.constexpr):
     far_bias = _far_bias(h, LUT, stride_lut_h, MAX_DIST, BIAS_TYPE, REGION)
     # Not software-pipelined in the near band: staging its per-score table gather through shared memory doubled
     # shared memory and made ptxas serialise the wgmma of the whole kernel (benchmarks/sm90_profile.py).
@@ -226,20 +324,27 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, rows, offs_n, offs_
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        if DROPOUT:
+            # l_i sums the probabilities before dropout (the softmax's normaliser); only the values see the mask.
+            kept = _dropout_keep(rows, start_n, bh, seed_lo, seed_hi, stream, threshold_hi, BLOCK_N)
+            # Zero from a finite row value rather than the constant 0.0: with a constant, LLVM moves the select
+            # after the bf16 conversion and ptxas unpacks and repacks every pair (74 instructions a tile, not 34).
+            p = tl.where(kept, p, (l_i * 0.0)[:, None])
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
-def _forward_kernel(Q, K, V, Out, LSE, LUT, SLOPES, KMASK, CU_Q, CU_K,
+def _forward_kernel(Q, K, V, Out, LSE, LUT, SLOPES, KMASK, CU_Q, CU_K, SEED,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                     stride_lse_b, stride_lse_h, stride_lut_h, stride_mask_b,
-                    num_heads, seqlen_q, seqlen_k, q_offset, qk_scale,
+                    num_heads, seqlen_q, seqlen_k, q_offset, qk_scale, dropout_threshold, dropout_scale,
                     MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
                     HAS_KMASK: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     # batch * heads on grid axis 0 (no 65535 cap); base offsets in int64 (no wrap past 2^31 elements).
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
@@ -261,25 +366,29 @@ def _forward_kernel(Q, K, V, Out, LSE, LUT, SLOPES, KMASK, CU_Q, CU_K,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    bh, seed_lo, seed_hi, stream, threshold_hi = _dropout_state(SEED, pid_bh, dropout_threshold, DROPOUT)
     near_start, near_end, end_n = _key_tile_bounds(start_m, q_len, k_len, q_offset, MAX_DIST, BIAS_TYPE, CAUSAL,
                                                    BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, 0, near_start, rows, offs_n, offs_d, b, h, k_len,
                                    q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES, KMASK,
                                    stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK, DOT_PRECISION,
-                                   BLOCK_N)
+                                   BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi, DROPOUT)
     if BIAS_TYPE != 0 or CAUSAL:
         acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, near_start, near_end, rows, offs_n, offs_d, b,
                                        h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES,
                                        KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, NEAR, CAUSAL, HAS_KMASK,
-                                       DOT_PRECISION, BLOCK_N)
+                                       DOT_PRECISION, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi, DROPOUT)
     if BIAS_TYPE != 0 and not CAUSAL:
         acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, near_end, end_n, rows, offs_n, offs_d, b, h,
                                        k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES,
                                        KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_RIGHT, False, HAS_KMASK,
-                                       DOT_PRECISION, BLOCK_N)
+                                       DOT_PRECISION, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi, DROPOUT)
 
     seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if DROPOUT:
+        out = acc * (dropout_scale / tl.where(seen, l_i, 1.0))[:, None]
+    else:
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
     tl.store(Out + b * stride_ob + h * stride_oh + q_start * stride_om + rows[:, None] * stride_om
              + offs_d[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     # log2-sum-exp2; +inf for rows that saw no key makes their probabilities exactly 0 in the backward.
@@ -292,7 +401,8 @@ def _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, lo, hi, co
                 q_len, k_len, q_offset, qk_scale, stride_qm, stride_dom, LUT, stride_lut_h, SLOPES, KMASK,
                 stride_mask_b, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr,
                 MASK_CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, bh, seed_lo, seed_hi, stream, threshold_hi,
+                keep_probability, DROPOUT: tl.constexpr):
     far_bias = _far_bias(h, LUT, stride_lut_h, MAX_DIST, BIAS_TYPE, REGION)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
@@ -306,23 +416,35 @@ def _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, lo, hi, co
         row_bias = far_bias + _alibi_row_bias(rows, start_n, h, q_offset, SLOPES, BIAS_TYPE, REGION)
         # Hidden pairs have s = -inf and rows past the end lse = +inf: p is exactly 0 there.
         p = tl.exp2(s - (lse - row_bias)[:, None])
-        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
-        dp = tl.dot(do, tl.trans(v).to(do.dtype), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
+        if DROPOUT:
+            # The forward's mask: dV = (kept P)^T dO and dS = P * (kept dP - delta * (1 - p)), each without the
+            # 1 / (1 - p), which the caller applies once to dK and dV.
+            dp = tl.dot(do, tl.trans(v).to(do.dtype), input_precision=DOT_PRECISION)
+            kept = _dropout_keep(rows, start_n, bh, seed_lo, seed_hi, stream, threshold_hi, BLOCK_N)
+            # A zero the compiler cannot fold (delta is finite), as in _forward_tiles.
+            dropped = (delta * 0.0)[:, None]
+            dv = tl.dot(tl.trans(tl.where(kept, p, dropped).to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
+            ds = p * (tl.where(kept, dp, 0.0) - (delta * keep_probability)[:, None])
+        else:
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
+            dp = tl.dot(do, tl.trans(v).to(do.dtype), input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
         dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
 
 @triton.jit
-def _backward_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LUT, SLOPES, KMASK, CU_Q, CU_K,
+def _backward_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LUT, SLOPES, KMASK, CU_Q, CU_K, SEED,
                           stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                           stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                           stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                           stride_lse_b, stride_lse_h, stride_lut_h, stride_mask_b,
-                          num_heads, seqlen_q, seqlen_k, q_offset, qk_scale, scale,
+                          num_heads, seqlen_q, seqlen_k, q_offset, qk_scale, scale, dropout_threshold,
+                          dropout_scale,
                           MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
                           HAS_KMASK: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     b = pid_bh // num_heads
@@ -345,22 +467,29 @@ def _backward_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LUT, SLOPES, KMASK, C
     do_base = DO + b * stride_dob + h * stride_doh + q_start * stride_dom
     lse_base = LSE + b * stride_lse_b + h * stride_lse_h + q_start
     delta_base = DELTA + b * stride_lse_b + h * stride_lse_h + q_start
+    bh, seed_lo, seed_hi, stream, threshold_hi = _dropout_state(SEED, pid_bh, dropout_threshold, DROPOUT)
+    keep_probability = 1.0 / dropout_scale
     start, near_start, near_end = _query_tile_bounds(start_n, q_len, k_len, q_offset, MAX_DIST, BIAS_TYPE, CAUSAL,
                                                      BLOCK_M, BLOCK_N)
     if BIAS_TYPE != 0 and not CAUSAL:
         dk, dv = _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, start, near_start, cols, start_n,
                              offs_m, offs_d, b, h, q_len, k_len, q_offset, qk_scale, stride_qm, stride_dom, LUT,
                              stride_lut_h, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_RIGHT, False,
-                             HAS_KMASK, DOT_PRECISION, BLOCK_M)
+                             HAS_KMASK, DOT_PRECISION, BLOCK_M, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi,
+                             keep_probability, DROPOUT)
     if BIAS_TYPE != 0 or CAUSAL:
         dk, dv = _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, near_start, near_end, cols, start_n,
                              offs_m, offs_d, b, h, q_len, k_len, q_offset, qk_scale, stride_qm, stride_dom, LUT,
                              stride_lut_h, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, NEAR, CAUSAL, HAS_KMASK,
-                             DOT_PRECISION, BLOCK_M)
+                             DOT_PRECISION, BLOCK_M, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi,
+                             keep_probability, DROPOUT)
     dk, dv = _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, near_end, q_len, cols, start_n, offs_m,
                          offs_d, b, h, q_len, k_len, q_offset, qk_scale, stride_qm, stride_dom, LUT, stride_lut_h,
                          SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK, DOT_PRECISION,
-                         BLOCK_M)
+                         BLOCK_M, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi, keep_probability, DROPOUT)
+    if DROPOUT:
+        dk *= dropout_scale
+        dv *= dropout_scale
     tl.store(DK + b * stride_dkb + h * stride_dkh + k_start * stride_dkn + cols[:, None] * stride_dkn
              + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + b * stride_dvb + h * stride_dvh + k_start * stride_dvn + cols[:, None] * stride_dvn
@@ -372,8 +501,11 @@ def _dq_tiles(dq, far_sum, q, do, lse, delta, k_base, v_base, dlut_base, lo, hi,
               k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES, KMASK, stride_mask_b,
               MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr, MASK_CAUSAL: tl.constexpr,
               HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr):
-    """dQ over key tiles [lo, hi); far tiles also return the sum of their dS per row (one bias entry each)."""
+              BLOCK_N: tl.constexpr, bh, seed_lo, seed_hi, stream, threshold_hi, keep_probability, dropout_scale,
+              DROPOUT: tl.constexpr):
+    """dQ over key tiles [lo, hi); far tiles also return the sum of their dS per row (one bias entry each).
+    With dropout, dS lacks its factor 1 / (1 - p) (applied once by the caller), except in the near band's
+    table gradient, which is added here."""
     far_bias = _far_bias(h, LUT, stride_lut_h, MAX_DIST, BIAS_TYPE, REGION)
     offs_m = tl.arange(0, BLOCK_M)
     start_q = tl.min(rows, axis=0) + q_offset
@@ -389,7 +521,11 @@ def _dq_tiles(dq, far_sum, q, do, lse, delta, k_base, v_base, dlut_base, lo, hi,
         # bias gradient.
         p = tl.exp2(s - (lse - row_bias)[:, None])
         dp = tl.dot(do, vt.to(do.dtype), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
+        if DROPOUT:
+            kept = _dropout_keep(rows, start_n, bh, seed_lo, seed_hi, stream, threshold_hi, BLOCK_N)
+            ds = p * (tl.where(kept, dp, 0.0) - (delta * keep_probability)[:, None])
+        else:
+            ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PRECISION)
         if BIAS_TYPE == 1:
             if REGION == NEAR:
@@ -404,6 +540,9 @@ def _dq_tiles(dq, far_sum, q, do, lse, delta, k_base, v_base, dlut_base, lo, hi,
                 wrapped = (offs_m[:, None] & (BLOCK_N - 1)) + offs_n[None, :] >= BLOCK_N
                 upper = tl.sum(tl.reshape(tl.where(wrapped, 0.0, skewed), [GROUPS, BLOCK_N, BLOCK_N]), axis=1)
                 lower = tl.sum(tl.reshape(tl.where(wrapped, skewed, 0.0), [GROUPS, BLOCK_N, BLOCK_N]), axis=1)
+                if DROPOUT:
+                    upper *= dropout_scale
+                    lower *= dropout_scale
                 relative = start_n - start_q + offs_n[None, :] - tl.arange(0, GROUPS)[:, None] * BLOCK_N
                 index = tl.minimum(tl.maximum(relative, -MAX_DIST), MAX_DIST) + MAX_DIST
                 tl.atomic_add(dlut_base + index, upper, sem="relaxed")
@@ -416,15 +555,17 @@ def _dq_tiles(dq, far_sum, q, do, lse, delta, k_base, v_base, dlut_base, lo, hi,
 
 
 @triton.jit
-def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, SLOPES, KMASK, CU_Q, CU_K,
+def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, SLOPES, KMASK, CU_Q, CU_K, SEED,
                         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                         stride_dqb, stride_dqh, stride_dqm,
                         stride_lse_b, stride_lse_h, stride_lut_h, stride_mask_b,
-                        num_heads, seqlen_q, seqlen_k, q_offset, qk_scale, scale,
+                        num_heads, seqlen_q, seqlen_k, q_offset, qk_scale, scale, dropout_threshold,
+                        dropout_scale,
                         MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
                         HAS_KMASK: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                        DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
     b = pid_bh // num_heads
@@ -450,22 +591,31 @@ def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, SLOPES, KMASK, C
     # dS summed over the tiles wholly beyond -max_distance / +max_distance: one bias entry each.
     far_left = tl.zeros([BLOCK_M], dtype=tl.float32)
     far_right = tl.zeros([BLOCK_M], dtype=tl.float32)
+    bh, seed_lo, seed_hi, stream, threshold_hi = _dropout_state(SEED, pid_bh, dropout_threshold, DROPOUT)
+    keep_probability = 1.0 / dropout_scale
     near_start, near_end, end_n = _key_tile_bounds(start_m, q_len, k_len, q_offset, MAX_DIST, BIAS_TYPE, CAUSAL,
                                                    BLOCK_M, BLOCK_N)
     dq, far_left = _dq_tiles(dq, far_left, q, do, lse, delta, k_base, v_base, dlut_base, 0, near_start, rows, offs_n,
                              offs_d, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES,
                              KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK, DOT_PRECISION,
-                             BLOCK_M, BLOCK_N)
+                             BLOCK_M, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi, keep_probability,
+                             dropout_scale, DROPOUT)
     if BIAS_TYPE != 0 or CAUSAL:
         dq, _ = _dq_tiles(dq, far_left, q, do, lse, delta, k_base, v_base, dlut_base, near_start, near_end, rows,
                           offs_n, offs_d, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h,
                           SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, NEAR, CAUSAL, HAS_KMASK, DOT_PRECISION,
-                          BLOCK_M, BLOCK_N)
+                          BLOCK_M, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi, keep_probability,
+                          dropout_scale, DROPOUT)
     if BIAS_TYPE != 0 and not CAUSAL:
         dq, far_right = _dq_tiles(dq, far_right, q, do, lse, delta, k_base, v_base, dlut_base, near_end, end_n, rows,
                                   offs_n, offs_d, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT,
                                   stride_lut_h, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_RIGHT, False,
-                                  HAS_KMASK, DOT_PRECISION, BLOCK_M, BLOCK_N)
+                                  HAS_KMASK, DOT_PRECISION, BLOCK_M, BLOCK_N, bh, seed_lo, seed_hi, stream,
+                                  threshold_hi, keep_probability, dropout_scale, DROPOUT)
+    if DROPOUT:
+        dq *= dropout_scale
+        far_left *= dropout_scale
+        far_right *= dropout_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqm + rows[:, None] * stride_dqm
              + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
     if BIAS_TYPE == 1:
@@ -546,12 +696,21 @@ def _bias_args(bias_lut, alibi_slopes, query):
     return BIAS_NONE, placeholder, placeholder, 0, 1
 
 
+def _dropout_args(dropout_p, dropout_seed, query):
+    """(seed tensor, 16-bit threshold, 1 / (1 - p), DROPOUT) for the kernels; p = 0 compiles the dropout out."""
+    if dropout_p == 0.0:
+        return query.new_empty(2, dtype=torch.int64), 0, 1.0, False
+    threshold = min(round(dropout_p * 2**DROPOUT_BITS), 2**DROPOUT_BITS - 1)
+    return dropout_seed, threshold, 1.0 / (1.0 - dropout_p), True
+
+
 @torch.library.custom_op("fat5::flash_attention_forward", mutates_args=())
 def _flash_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              bias_lut: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
                              key_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
                              cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                             causal: bool, q_offset: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                             causal: bool, q_offset: int, scale: float, dropout_p: float,
+                             dropout_seed: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     varlen, batch, heads, seqlen_q, seqlen_k = _geometry(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     out = _new_output(query.shape, query)
     lse = _new_output(_lse_shape(query, varlen), query, torch.float32)
@@ -559,22 +718,23 @@ def _flash_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     mask = key_mask if key_mask is not None else query.new_empty(1, dtype=torch.float32)
     cu_q = cu_seqlens_q if varlen else query.new_empty(1, dtype=torch.int32)
     cu_k = cu_seqlens_k if varlen else cu_q
+    seed, threshold, dropout_scale, dropout = _dropout_args(dropout_p, dropout_seed, query)
     block_m, block_n, warps, stages = _blocks(query.shape[-1], "forward", query.device)
     grid = (batch * heads, triton.cdiv(seqlen_q, block_m))
     _forward_kernel[grid](
-        query, key, value, out, lse, lut, slopes, mask, cu_q, cu_k,
+        query, key, value, out, lse, lut, slopes, mask, cu_q, cu_k, seed,
         *_layout(query, varlen), *_layout(key, varlen), *_layout(value, varlen), *_layout(out, varlen),
         *_lse_strides(lse, varlen), stride_lut_h, mask.stride(0),
-        heads, seqlen_q, seqlen_k, q_offset, scale * LOG2E,
+        heads, seqlen_q, seqlen_k, q_offset, scale * LOG2E, threshold, dropout_scale,
         MAX_DIST=max_dist, BIAS_TYPE=bias_type, CAUSAL=causal, HAS_KMASK=key_mask is not None,
-        IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], DOT_PRECISION=_dot_precision(query.dtype), BLOCK_M=block_m,
-        BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], DOT_PRECISION=_dot_precision(query.dtype), DROPOUT=dropout,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     return out, lse
 
 
 @_flash_attention_forward.register_fake
 def _(query, key, value, bias_lut, alibi_slopes, key_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, causal, q_offset, scale):
+      max_seqlen_k, causal, q_offset, scale, dropout_p, dropout_seed):
     varlen = cu_seqlens_q is not None
     # Contiguous like the real op's output (not empty_like, which would keep a transposed query's strides and let a
     # compiled graph view the real output with the wrong layout).
@@ -587,7 +747,8 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                               bias_lut: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
                               key_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
                               cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                              causal: bool, q_offset: int, scale: float
+                              causal: bool, q_offset: int, scale: float, dropout_p: float,
+                              dropout_seed: Optional[torch.Tensor]
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     varlen, batch, heads, seqlen_q, seqlen_k = _geometry(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     # The gradient of a sum() arrives expanded, with stride 0 along the head dim.
@@ -598,9 +759,11 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     mask = key_mask if key_mask is not None else query.new_empty(1, dtype=torch.float32)
     cu_q = cu_seqlens_q if varlen else query.new_empty(1, dtype=torch.int32)
     cu_k = cu_seqlens_k if varlen else cu_q
+    seed, threshold, dropout_scale, dropout = _dropout_args(dropout_p, dropout_seed, query)
     common = dict(MAX_DIST=max_dist, BIAS_TYPE=bias_type, CAUSAL=causal, HAS_KMASK=key_mask is not None,
-                  IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], DOT_PRECISION=_dot_precision(query.dtype))
-    block_m, block_n, warps, stages = _blocks(query.shape[-1], "dkdv", query.device)
+                  IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], DOT_PRECISION=_dot_precision(query.dtype),
+                  DROPOUT=dropout)
+    block_m, block_n, warps, stages = _blocks(query.shape[-1], "dkdv", query.device, dropout)
     delta = _new_output(lse.shape, lse)
     _backward_delta_kernel[(batch * heads, triton.cdiv(seqlen_q, block_m))](
         out, grad_out, delta, cu_q, *_layout(out, varlen), *_layout(grad_out, varlen), *_lse_strides(lse, varlen),
@@ -608,14 +771,14 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     strides = (*_layout(query, varlen), *_layout(key, varlen), *_layout(value, varlen),
                *_layout(grad_out, varlen))
     scalars = (*_lse_strides(lse, varlen), stride_lut_h, mask.stride(0), heads, seqlen_q, seqlen_k, q_offset,
-               scale * LOG2E, scale)
+               scale * LOG2E, scale, threshold, dropout_scale)
     _backward_dkdv_kernel[(batch * heads, triton.cdiv(seqlen_k, block_n))](
-        query, key, value, grad_out, lse, delta, dk, dv, lut, slopes, mask, cu_q, cu_k,
+        query, key, value, grad_out, lse, delta, dk, dv, lut, slopes, mask, cu_q, cu_k, seed,
         *strides, *_layout(dk, varlen), *_layout(dv, varlen), *scalars,
         **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-    block_m, block_n, warps, stages = _blocks(query.shape[-1], "dq", query.device)
+    block_m, block_n, warps, stages = _blocks(query.shape[-1], "dq", query.device, dropout)
     _backward_dq_kernel[(batch * heads, triton.cdiv(seqlen_q, block_m))](
-        query, key, value, grad_out, lse, delta, dq, dlut, lut, slopes, mask, cu_q, cu_k,
+        query, key, value, grad_out, lse, delta, dq, dlut, lut, slopes, mask, cu_q, cu_k, seed,
         *strides, *_layout(dq, varlen), *scalars,
         **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     return dq, dk, dv, dlut
@@ -623,24 +786,26 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
 
 @_flash_attention_backward.register_fake
 def _(grad_out, query, key, value, out, lse, bias_lut, alibi_slopes, key_mask, cu_seqlens_q, cu_seqlens_k,
-      max_seqlen_q, max_seqlen_k, causal, q_offset, scale):
+      max_seqlen_q, max_seqlen_k, causal, q_offset, scale, dropout_p, dropout_seed):
     dlut = torch.empty_like(bias_lut) if bias_lut is not None else query.new_empty(1, dtype=torch.float32)
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dlut
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, bias_lut, alibi_slopes, key_mask, cu_q, cu_k, max_q, max_k, causal, q_offset, scale = inputs
+    (query, key, value, bias_lut, alibi_slopes, key_mask, cu_q, cu_k, max_q, max_k, causal, q_offset, scale,
+     dropout_p, dropout_seed) = inputs
     out, lse = output
-    ctx.save_for_backward(query, key, value, out, lse, bias_lut, alibi_slopes, key_mask, cu_q, cu_k)
-    ctx.options = (max_q, max_k, causal, q_offset, scale)
+    # The seed, not the mask: the backward regenerates the forward's mask from it.
+    ctx.save_for_backward(query, key, value, out, lse, bias_lut, alibi_slopes, key_mask, cu_q, cu_k, dropout_seed)
+    ctx.options = (max_q, max_k, causal, q_offset, scale, dropout_p)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    query, key, value, out, lse, bias_lut, alibi_slopes, key_mask, cu_q, cu_k = ctx.saved_tensors
+    query, key, value, out, lse, bias_lut, alibi_slopes, key_mask, cu_q, cu_k, dropout_seed = ctx.saved_tensors
     dq, dk, dv, dlut = _flash_attention_backward(grad_out, query, key, value, out, lse, bias_lut, alibi_slopes,
-                                                 key_mask, cu_q, cu_k, *ctx.options)
+                                                 key_mask, cu_q, cu_k, *ctx.options, dropout_seed)
     return dq, dk, dv, (dlut if bias_lut is not None else None), None, None, None, None, None, None, None, \
-        None, None
+        None, None, None, None
 
 
 _flash_attention_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -667,6 +832,31 @@ def _check(query, key, value, head_dim_axis=-1):
                          f"{key.dtype}, {value.dtype}")
 
 
+def draw_dropout_seed(device):
+    """A (2,) int64 tensor (Philox key, stream) drawn from torch's default generator for `device`.
+
+    Drawn on the device, never read back to the host: torch.manual_seed reproduces it, activation checkpointing
+    (torch.utils.checkpoint, as transformers, FSDP and DeepSpeed use it) restores the generator before recomputing
+    a block and so redraws the same seed, a CUDA graph replays the draw with a fresh generator offset each time,
+    and torch.compile traces it as an ordinary random op. 62-bit values: Inductor's randint computes high - low in
+    int64, which the full int64 range would overflow."""
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=device)
+
+
+def _dropout_inputs(dropout_p, dropout_seed, device):
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p == 0.0:
+        return 0.0, None  # no draw: p = 0 leaves torch's generator where it was
+    if dropout_seed is None:
+        return dropout_p, draw_dropout_seed(device)
+    if dropout_seed.shape != (2,) or dropout_seed.dtype != torch.int64 or dropout_seed.device != device:
+        raise ValueError(f"dropout_seed must be a (2,) int64 tensor on {device}, got {tuple(dropout_seed.shape)} "
+                         f"{dropout_seed.dtype} on {dropout_seed.device}")
+    return dropout_p, dropout_seed
+
+
 def _last_dim_contiguous(*tensors):
     return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
 
@@ -686,10 +876,13 @@ def _position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_s
 
 
 def flash_attention_t5(query, key, value, *, bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
-                       alibi_slopes=None, key_padding_mask=None, causal=False, q_offset=0, scale=1.0):
+                       alibi_slopes=None, key_padding_mask=None, causal=False, q_offset=0, scale=1.0, dropout_p=0.0,
+                       dropout_seed=None):
     """Attention over (B, H, L, D) tensors with the T5 bias (or ALiBi, or none) computed in the kernel.
 
-    Same contract as `attention_fat5.eager_attention` (see there), without dropout or a dense bias.
+    Same contract as `attention_fat5.eager_attention` (see there), without a dense bias. `dropout_p` drops
+    attention probabilities in the kernel (scaled by 1 / (1 - p)); the mask is a function of `dropout_seed`, a
+    (2,) int64 tensor on the inputs' device, drawn by `draw_dropout_seed` from torch's generator when None.
     Differentiable w.r.t. query, key, value and bias_table.
     """
     _check(query, key, value)
@@ -708,17 +901,20 @@ def flash_attention_t5(query, key, value, *, bias_table=None, bidirectional=True
         key_mask[:, :key.shape[2]].masked_fill_(key_padding_mask.bool(), 0.0)
     bias_lut, alibi_slopes = _position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_slopes,
                                             heads)
+    dropout_p, dropout_seed = _dropout_inputs(dropout_p, dropout_seed, query.device)
     query, key, value = _last_dim_contiguous(query, key, value)
     out, _ = _flash_attention_forward(query, key, value, bias_lut, alibi_slopes, key_mask, None, None,
-                                      query_length, key.shape[2], bool(causal), int(q_offset), float(scale))
+                                      query_length, key.shape[2], bool(causal), int(q_offset), float(scale),
+                                      dropout_p, dropout_seed)
     return out
 
 
 def flash_attention_t5_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
-                              alibi_slopes=None, causal=False, scale=1.0):
+                              alibi_slopes=None, causal=False, scale=1.0, dropout_p=0.0, dropout_seed=None):
     """Packed sequences: query (total_q, H, D), key/value (total_k, H, D), cu_seqlens int32 (N + 1,).
-    Sequence n is rows cu_seqlens[n]:cu_seqlens[n + 1]; it sees only itself, positions restarting at 0."""
+    Sequence n is rows cu_seqlens[n]:cu_seqlens[n + 1]; it sees only itself, positions restarting at 0.
+    Dropout as in `flash_attention_t5`, sequence n counted as batch entry n with rows and columns from 0."""
     _check(query, key, value)
     heads = query.shape[1]
     if key.shape[1] != heads or value.shape != key.shape:
@@ -728,12 +924,13 @@ def flash_attention_t5_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D with one entry per sequence plus one")
     bias_lut, alibi_slopes = _position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_slopes,
                                             heads)
+    dropout_p, dropout_seed = _dropout_inputs(dropout_p, dropout_seed, query.device)
     query, key, value = _last_dim_contiguous(query, key, value)
     out, _ = _flash_attention_forward(query, key, value, bias_lut, alibi_slopes, None,
                                       cu_seqlens_q.to(torch.int32).contiguous(),
                                       cu_seqlens_k.to(torch.int32).contiguous(), int(max_seqlen_q),
-                                      int(max_seqlen_k), bool(causal), 0, float(scale))
+                                      int(max_seqlen_k), bool(causal), 0, float(scale), dropout_p, dropout_seed)
     return out
 
 
-__all__ = ["flash_attention_t5", "flash_attention_t5_varlen", "relative_bias_lut"]
+__all__ = ["draw_dropout_seed", "flash_attention_t5", "flash_attention_t5_varlen", "relative_bias_lut"]

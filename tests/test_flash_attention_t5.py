@@ -241,12 +241,18 @@ def test_half_precision_inputs_accumulate_in_fp32(dtype):
     ("t5", False, [40, 3, 12, 9]),
 ])
 def test_varlen_packed_sequences_never_see_each_other(bias, causal, key_lengths):
+    check_varlen_against_reference(bias, causal, key_lengths, seed=10)
+
+
+def check_varlen_against_reference(bias, causal, key_lengths, seed, dropout_p=0.0, dropout_seed=None):
+    """Four packed sequences of ragged lengths through the varlen kernel against its fp64 reference: output and
+    every gradient; with dropout, the reference drops the mask drawn by `dropout_keep_mask_reference`."""
     query_lengths = [17, 1, 30, 9]
     key_lengths = key_lengths or query_lengths
     cu_q, cu_k = (torch.tensor([0] + n, device=KERNEL_DEVICE).cumsum(0).to(torch.int32)
                   for n in (query_lengths, key_lengths))
     heads, dim = 3, 32
-    generator = torch.Generator().manual_seed(10)
+    generator = torch.Generator().manual_seed(seed)
     q = torch.randn(sum(query_lengths), heads, dim, generator=generator).to(KERNEL_DEVICE)
     k, v = (torch.randn(sum(key_lengths), heads, dim, generator=generator).to(KERNEL_DEVICE) for _ in range(2))
     table = torch.randn(NUM_BUCKETS, heads, generator=generator).to(KERNEL_DEVICE)
@@ -260,8 +266,15 @@ def test_varlen_packed_sequences_never_see_each_other(bias, causal, key_lengths)
     table_leaf = {"bias_table": leaves[3]} if bias == "t5" else {}
     table_reference = {"bias_table": references[3]} if bias == "t5" else {}
     lengths = (cu_q, cu_k, max(query_lengths), max(key_lengths))
-    out = flash_attention_t5_varlen(*leaves[:3], *lengths, **options, **table_leaf)
-    expected = flash_attention_t5_varlen_reference(*references[:3], *lengths, **options, **table_reference)
+    dropout, reference_dropout = {}, {}
+    if dropout_p:
+        keep = dropout_keep_mask_reference(dropout_seed, dropout_p, len(query_lengths), heads, max(query_lengths),
+                                           max(key_lengths)).to(KERNEL_DEVICE)
+        dropout, reference_dropout = dict(dropout_p=dropout_p, dropout_seed=dropout_seed), dict(
+            dropout_keep=keep, dropout_p=dropout_p)
+    out = flash_attention_t5_varlen(*leaves[:3], *lengths, **options, **table_leaf, **dropout)
+    expected = flash_attention_t5_varlen_reference(*references[:3], *lengths, **options, **table_reference,
+                                                   **reference_dropout)
     close(out, expected, FP32_TOLERANCE, "output")
     grad = torch.randn(out.shape, generator=generator).to(KERNEL_DEVICE)
     out.backward(grad)
@@ -578,38 +591,8 @@ def test_dropout_on_gpu_sized_tiles(monkeypatch, tiles, causal):
 ])
 def test_dropout_in_varlen_packed_sequences(bias, causal, key_lengths):
     """Packed sequence n draws the mask of batch entry n, rows and columns counted from its own start."""
-    query_lengths = [17, 1, 30, 9]
-    key_lengths = key_lengths or query_lengths
-    cu_q, cu_k = (torch.tensor([0] + n, device=KERNEL_DEVICE).cumsum(0).to(torch.int32)
-                  for n in (query_lengths, key_lengths))
-    heads, dim, dropout_p, seed = 3, 32, 0.25, seed_tensor(2**40 + 3, 5)
-    generator = torch.Generator().manual_seed(43)
-    q = torch.randn(sum(query_lengths), heads, dim, generator=generator).to(KERNEL_DEVICE)
-    k, v = (torch.randn(sum(key_lengths), heads, dim, generator=generator).to(KERNEL_DEVICE) for _ in range(2))
-    table = torch.randn(NUM_BUCKETS, heads, generator=generator).to(KERNEL_DEVICE)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, table)]
-    references = [t.double().requires_grad_() for t in (q, k, v, table)]
-    options = dict(causal=causal)
-    if bias == "t5":
-        options.update(num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE, bidirectional=not causal)
-    else:
-        options.update(alibi_slopes=alibi_slopes(heads).to(KERNEL_DEVICE))
-    table_leaf = {"bias_table": leaves[3]} if bias == "t5" else {}
-    table_reference = {"bias_table": references[3]} if bias == "t5" else {}
-    lengths = (cu_q, cu_k, max(query_lengths), max(key_lengths))
-    keep = dropout_keep_mask_reference(seed, dropout_p, len(query_lengths), heads, max(query_lengths),
-                                       max(key_lengths)).to(KERNEL_DEVICE)
-    out = flash_attention_t5_varlen(*leaves[:3], *lengths, **options, **table_leaf, dropout_p=dropout_p,
-                                    dropout_seed=seed)
-    expected = flash_attention_t5_varlen_reference(*references[:3], *lengths, dropout_keep=keep, dropout_p=dropout_p,
-                                                   **options, **table_reference)
-    close(out, expected, FP32_TOLERANCE, "output")
-    grad = torch.randn(out.shape, generator=generator).to(KERNEL_DEVICE)
-    out.backward(grad)
-    expected.backward(grad.double())
-    names = ["dq", "dk", "dv", "d bias_table"] if bias == "t5" else ["dq", "dk", "dv"]
-    for name, leaf, reference in zip(names, leaves, references):
-        close(leaf.grad, reference.grad, FP32_TOLERANCE, name)
+    check_varlen_against_reference(bias, causal, key_lengths, seed=43, dropout_p=0.25,
+                                   dropout_seed=seed_tensor(2**40 + 3, 5))
 
 
 def observed_masks(dropout_p, draws, batch=2, heads=2, query_length=48, key_length=32):

@@ -51,7 +51,8 @@ DERIVED_FIELDS = ("model_type", "architectures", "transformers_version", "auto_m
 # the way back carries those that differ from FAT5's defaults as extra keys, which transformers keeps.
 FAT5_SETTINGS = ("attention_dropout_rate", "attention_backend", "z_loss", "label_smoothing",
                  "return_logits_in_training", "lm_loss_implementation", "rope_theta", "fire_mlp_width",
-                 "fire_init_c", "fire_init_threshold")
+                 "fire_init_c", "fire_init_threshold", "alibi_mode", "partial_rotary_factor", "rope_interleaved",
+                 "rope_cross_attention", "rope_rotates_values", "fire_normalizer_offset", "fire_normalizer_eps")
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 # Copies of shared.weight that transformers' T5 state dicts hold (FAT5's does not).

@@ -100,7 +100,7 @@ FAT5_FIELDS = sorted(set(FAT5Config().to_dict()) - set(DERIVED_FIELDS))
 def test_every_fat5_config_field_goes_back_or_is_refused_by_name(name):
     config = FAT5Config(**COMMON, feed_forward_proj="gated-gelu").to_dict()
     value = {"position_encoding_type": "rope", "relative_bias_per_layer": True, "attention_backend": "sdpa",
-             "lm_loss_implementation": "liger"}.get(name) or other_value(name, config[name])
+             "lm_loss_implementation": "liger", "alibi_mode": "asymmetric"}.get(name) or other_value(name, config[name])
     config[name] = value
     if name in ("position_encoding_type", "attention_scale"):  # change the logits; no T5 computes them
         with pytest.raises(ConversionError, match=f"^{name} {value!r} has no transformers T5 counterpart"):

@@ -187,6 +187,8 @@ class ConversionPlan:
     redundant: dict = field(default_factory=dict)  # source copy -> the source tensor it must equal
     ignored: list = field(default_factory=list)  # source tensors T5 itself never uses
     shapes: dict = field(default_factory=dict)  # target name -> shape
+    # (folder, dtype) -> the source model the parity proof compares with; None: transformers' (load_source_model)
+    load_reference: object = None
 
 
 def rescale_rule(model_type, writer_version):
@@ -245,7 +247,9 @@ def fat5_config_from_t5(source_config, lm_head_tied):
     model_type = source_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConversionError(f"unsupported model_type {model_type!r}: supported are "
-                              f"{', '.join(SUPPORTED_MODEL_TYPES)} (FLAN-T5, T5 v1.1 and ByT5 are model_type t5)")
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)} (FLAN-T5, T5 v1.1 and ByT5 are model_type t5); "
+                              "python -m convert.flan_to_fat5 also converts flash_t5 (flashT5's layout, CATIE-AQ's "
+                              "FAT5 models)")
     try:
         return FAT5Config(
             **carried_fields(source_config, model_type),

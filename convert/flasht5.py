@@ -84,16 +84,23 @@ def refuse(name, value, why):
     raise ConversionError(f"{name} {value!r}: {why}")
 
 
+def positive(value):
+    """Whether `value` is a positive number (bool excluded); config.json may hold anything."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 def position_fields(config, kind):
     """FAT5's fields for flashT5's position encoding `kind` (FAT5's name), from its parameters in `config`."""
     if kind == "rope":
         if config["rotary_scale_base"] is not None:
             refuse("rotary_scale_base", config["rotary_scale_base"], "flashT5's xPos scaling of RoPE has no FAT5 "
                    "counterpart")
-        fraction = config["rotary_emb_fraction"]
-        numeric = isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
-        rotated = int(config.get("d_kv", 64) * fraction) if numeric else 0
-        if not (numeric and 0 < fraction <= 1 and rotated > 0 and rotated % 2 == 0):
+        if not positive(config["rotary_base"]):
+            refuse("rotary_base", config["rotary_base"], "RoPE's base must be a positive number")
+        fraction, head_dim = config["rotary_emb_fraction"], config.get("d_kv", 64)
+        rotated = int(head_dim * fraction) if positive(fraction) and positive(head_dim) else 0
+        # (a bad d_kv is refused by FAT5Config, naming it)
+        if positive(head_dim) and not (positive(fraction) and fraction <= 1 and rotated > 0 and rotated % 2 == 0):
             refuse("rotary_emb_fraction", fraction, "RoPE rotates an even, positive number of channels "
                    f"(int(d_kv * rotary_emb_fraction) = {rotated})")
         return {"rope_theta": float(config["rotary_base"]), "partial_rotary_factor": config["rotary_emb_fraction"],
@@ -106,8 +113,9 @@ def position_fields(config, kind):
         return {"alibi_mode": ALIBI_MODES[mode]}
     if kind == "fire":
         # fire_init_*: FAT5's initialisation of a fresh FIRE module, as flashT5's (the values are in the weights).
-        return {**FIRE_NORMALIZER, "fire_init_c": 0.1,
-                "fire_init_threshold": float(config["relative_attention_max_distance"])}
+        distance = config["relative_attention_max_distance"]  # FAT5Config refuses a bad one by name
+        return {**FIRE_NORMALIZER, "fire_init_c": 0.1, **({"fire_init_threshold": float(distance)}
+                                                          if positive(distance) else {})}
     return {}
 
 
@@ -135,14 +143,15 @@ def fat5_config_fields(source_config):
         why = ("flashT5 draws random positions on every forward, evaluation included, which no deterministic "
                "model reproduces" if kind == "t5" else "flashT5's randomised ALiBi fails with a shape error")
         refuse("use_randomized_position_encoding", True, why)
-    scale = config["attention_scale"]
+    scale, heads = config["attention_scale"], config["num_heads"]
+    if scale is None and positive(heads):  # null: flashT5's 1/sqrt(num_heads) (not of d_kv)
+        scale = 1.0 / math.sqrt(heads)  # (a bad num_heads is refused by FAT5Config, naming it, before the scale)
     translated = {
         "position_encoding_type": kind,
         **position_fields(config, kind),
         "feed_forward_proj": ("gated-" if config["use_glu_mlp"] else "")
         + ("gelu_pytorch_tanh" if config["use_gelu_act"] else "relu"),
-        # null: flashT5's 1/sqrt(num_heads) (not of d_kv)
-        "attention_scale": 1.0 / math.sqrt(config["num_heads"]) if scale is None else scale,
+        "attention_scale": scale,
         # null: flashT5's loss raises a TypeError with labels; FAT5 computes it without z-loss
         "z_loss": 0.0 if config["z_loss"] is None else config["z_loss"],
         "tie_word_embeddings": False,

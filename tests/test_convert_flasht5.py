@@ -211,6 +211,7 @@ REFUSED = {
     "rotary_scale_base": 512,  # xPos
     "alibi_mode": "symmetric",  # flashT5 spells its modes "symetric" and "asymetric"
     "rotary_emb_fraction": 0.375,  # 3 of 8 channels: not pairs
+    "rotary_base": "10000",  # not a number
 }
 # name -> (new value, the FAT5 fields it must give)
 TRANSLATED = {

@@ -38,13 +38,18 @@ def other_value(name, value):
         return OTHER_VALUES[name]
     if name in SHAPE_FIELDS:
         return value
+    return changed(value)
+
+
+def changed(value):
+    """Another value of `value`'s type (2 where it is unset: a token id or a count)."""
     if isinstance(value, bool):
         return not value
     if isinstance(value, int):
         return value + 1
     if isinstance(value, float):
         return value / 2 if value else 0.25
-    return 2  # unset by default: a token id or a count
+    return 2
 
 
 def t5_refuses(config):

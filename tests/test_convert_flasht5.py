@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from test_convert_fields import changed
 
 from convert.checkpoint import ConversionError, iter_converted_tensors
 from convert.flan_to_fat5 import main
@@ -248,16 +249,6 @@ FIXTURE_KEYS = {name for case in CASES for name in json.loads((FIXTURES / case /
 FIELDS = sorted(set(DEFAULTS) | set(NO_EFFECT) | FIXTURE_KEYS)
 
 
-def other_value(value):
-    if isinstance(value, bool):
-        return not value
-    if isinstance(value, int):
-        return value + 1
-    if isinstance(value, float):
-        return value / 2 if value else 0.25
-    return 2
-
-
 @pytest.mark.parametrize("name", FIELDS)
 def test_every_flasht5_config_field_is_carried_translated_or_refused_by_name(name):
     base = {**DEFAULTS, **json.loads((FIXTURES / BASE_CASE.get(name, "t5-gated-gelu") / "config.json").read_text())}
@@ -272,7 +263,7 @@ def test_every_flasht5_config_field_is_carried_translated_or_refused_by_name(nam
     elif name in NO_EFFECT:
         assert fat5_config_fields({**base, name: NO_EFFECT[name]}) == baseline
     elif name not in REFUSED:  # carried under its own name
-        value = other_value(base.get(name))
+        value = changed(base.get(name))
         assert fat5_config_fields({**base, name: value})[name] == value
 
 

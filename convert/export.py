@@ -186,7 +186,8 @@ def export(plan, source_folder, output, *, dtype=None, attention_backend="auto",
             export_config(plan, staging, dtype, attention_backend)
             copy_side_files(source_folder, staging, plan.source_config)
             write_remote_code(staging)
-        difference, sample = verify_parity(source_folder, staging, dtype) if verify else (None, None)
+        difference, sample = verify_parity(source_folder, staging, dtype, plan.load_reference) if verify \
+            else (None, None)
         with write_failures_reported(output.out, staging.parent):
             render_model_card(staging, **card, parity_max_abs_diff=difference, parity_sample=sample)
         output.commit()

@@ -104,6 +104,19 @@ def check_model_folder(folder, also=()):
             check_sentencepiece(folder / model)
 
 
+# The files AutoTokenizer needs in a folder to know which tokenizer it holds (a sentencepiece model alone names no
+# class for a FAT5 config).
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
+
+def check_tokenizer_folder(folder, what, advice="copy the tokenizer files of the model it comes from into it"):
+    """Refuse, in one line, a local folder without a tokenizer: AutoTokenizer's own error for it is a multi-line
+    ValueError that asks to install sentencepiece, which is installed. `what` names the flag ("--model")."""
+    folder = Path(folder)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise CommandError(f"{what} {folder} holds no tokenizer ({' or '.join(TOKENIZER_FILES)}): {advice}")
+
+
 # The sentencepiece models of T5-family tokenizers (T5 and ByT5's spiece.model; mT5 and umT5 ship one too).
 SENTENCEPIECE_MODELS = ("spiece.model", "sentencepiece.bpe.model")
 

@@ -198,3 +198,14 @@ def test_a_corrupt_sentencepiece_model_is_one_line(folders, tmp_path, capsys, ca
     path.write_bytes(b"not a sentencepiece model")
     line = one_error_line(capsys, main, argv)
     assert f"cannot read {path}: not a sentencepiece model" in line, line
+
+
+@pytest.mark.parametrize("case", ["predict", "recipe", "pretrain-checkpoint", "pretrain-tokenizer"])
+def test_a_model_folder_without_a_tokenizer_is_one_line(folders, tmp_path, capsys, case):
+    """AutoTokenizer's own error for it is a multi-line ValueError asking to install sentencepiece (installed)."""
+    main, argv, _ = command_with(f"{case}:config.json", folders, tmp_path)
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        (tmp_path / "model" / name).unlink(missing_ok=True)
+    line = one_error_line(capsys, main, argv)
+    assert f"{tmp_path / 'model'} holds no tokenizer (tokenizer_config.json or tokenizer.json)" in line, line
+    assert "sentencepiece" not in line

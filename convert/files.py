@@ -104,6 +104,29 @@ def check_model_folder(folder, also=()):
             check_sentencepiece(folder / model)
 
 
+# TrainingArguments' flags that may name a JSON file, which it reads itself (they also take a dict, or DeepSpeed's
+# base64 string): its errors for a bad file name neither the file nor the flag.
+TRAINER_JSON_FLAGS = ("deepspeed", "fsdp_config", "accelerator_config")
+
+
+def check_trainer_json_files(flags):
+    """Read first, with one line per bad file, the JSON files that TrainingArguments' flags name: `flags` is a
+    command line (a list of strings) or a flags file's dict."""
+    if isinstance(flags, dict):
+        named = [(name, flags.get(name)) for name in TRAINER_JSON_FLAGS]
+    else:
+        named = []
+        for index, arg in enumerate(flags):
+            flag, equals, value = arg.partition("=")
+            name = flag[2:].replace("-", "_") if flag.startswith("--") else None
+            if name in TRAINER_JSON_FLAGS:
+                named.append((name, value if equals else (flags[index + 1] if index + 1 < len(flags) else None)))
+    for name, value in named:
+        if isinstance(value, str) and not value.lstrip().startswith("{") \
+                and (value.endswith(".json") or Path(value).exists()):
+            read_json_object(value, f"the --{name} file ")
+
+
 # The files AutoTokenizer needs in a folder to know which tokenizer it holds (a sentencepiece model alone names no
 # class for a FAT5 config).
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")

@@ -33,6 +33,7 @@ from convert.files import (
     CHECKPOINT_JSON,
     check_model_folder,
     check_tokenizer_folder,
+    check_trainer_json_files,
     pickles_refused,
     read_json_object,
 )
@@ -85,7 +86,10 @@ def parse_flags(dataclass_types, argv, **defaults):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if len(argv) == 1 and argv[0].endswith(".json"):
-            return parser.parse_dict({**defaults, **read_json_object(argv[0], "the flags file ")})
+            flags = read_json_object(argv[0], "the flags file ")
+            check_trainer_json_files(flags)
+            return parser.parse_dict({**defaults, **flags})
+        check_trainer_json_files(argv)
         return parser.parse_args_into_dataclasses(argv)
     except ValueError as error:  # unknown flags, and TrainingArguments' own checks
         raise CommandError(error_line(error)) from None

@@ -31,7 +31,13 @@ from transformers import AutoTokenizer, DataCollatorForSeq2Seq, HfArgumentParser
 from transformers.utils.logging import disable_progress_bar
 
 from convert.cli import EXIT_BAD_INPUT, CommandError, error_line, exit_with, run
-from convert.files import CHECKPOINT_JSON, check_model_folder, check_tokenizer_folder, pickles_refused
+from convert.files import (
+    CHECKPOINT_JSON,
+    check_model_folder,
+    check_tokenizer_folder,
+    check_trainer_json_files,
+    pickles_refused,
+)
 from convert.safety import write_failures_reported
 
 from .data import DenoisingDataset, Documents, add_missing_tokens, train_sentencepiece
@@ -135,6 +141,7 @@ def parse_args(argv):
     parser = Parser((PretrainArguments, TrainerOptions), usage=USAGE, description=__doc__,
                     formatter_class=HelpFormatter)
     parser.set_defaults(**DEFAULTS["trainer"])
+    check_trainer_json_files(argv)
     try:
         args, training_args = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as error:  # TrainingArguments' own checks, e.g. --bf16 without a GPU or --use_cpu

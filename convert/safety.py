@@ -110,8 +110,9 @@ def put_in_place(staging, out, replace):
 class AtomicOutput:
     """Staging folder for OUT and its final swap into place; `state` says what OUT's path holds."""
 
-    def __init__(self, source, out, overwrite):
+    def __init__(self, source, out, overwrite, what="conversion"):
         self.out = Path(out)
+        self.what = what  # what the folder holds, for `describe`
         check_paths(source, self.out, overwrite)
         self.existed = self.out.is_dir()
         self.overwrite = overwrite
@@ -143,7 +144,7 @@ class AtomicOutput:
     def describe(self):
         """One phrase for the final message: what OUT's path holds now."""
         if self.state == "written":
-            return f"{self.out} holds the complete new conversion" + (" (the old folder was replaced)"
+            return f"{self.out} holds the complete new {self.what}" + (" (the old folder was replaced)"
                                                                        if self.existed else "")
         if self.existed:
             return f"{self.out} is unchanged (the old folder is intact)"

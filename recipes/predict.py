@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from convert.cli import CommandError, error_line, exit_with, run
-from convert.files import check_model_folder, pickles_refused
+from convert.files import check_model_folder, check_tokenizer_folder, pickles_refused
 from recipes.arguments import FileFormatArguments, require_positive
 from recipes.data import exact_match, read_table, write_predictions
 
@@ -48,6 +48,11 @@ class PredictArguments:
             raise CommandError(f"--output_file {output} is a folder; name a file")
         if output.resolve() == Path(self.input_file).resolve():
             raise CommandError(f"--output_file {output} is the --input_file; writing it would destroy the inputs")
+        # The model folder is read too: no file of it is replaced (a CSV is no file a model folder loads from, such
+        # as the predictions a recipe wrote there).
+        if output.exists() and model.resolve() in output.resolve().parents and output.suffix.lower() != ".csv":
+            raise CommandError(f"--output_file {output} is a file of the --model folder; writing it would destroy "
+                               f"the model: name a file outside it, or a new .csv")
 
 
 def check_device(device):
@@ -83,6 +88,7 @@ def predict(argv, progress):
     if args.device is not None:
         check_device(args.device)
     check_model_folder(args.model)  # before the pipeline reads it
+    check_tokenizer_folder(args.model, "--model")
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
 
     from transformers import pipeline

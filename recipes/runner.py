@@ -29,7 +29,14 @@ from transformers import (
 )
 
 from convert.cli import CommandError, Progress, error_line
-from convert.files import CHECKPOINT_JSON, check_model_folder, pickles_refused, read_json_object
+from convert.files import (
+    CHECKPOINT_JSON,
+    check_model_folder,
+    check_tokenizer_folder,
+    check_trainer_json_files,
+    pickles_refused,
+    read_json_object,
+)
 from convert.safety import write_failures_reported
 from fat5.training.run_folder import (
     TRAINING_SETTINGS,
@@ -79,7 +86,10 @@ def parse_flags(dataclass_types, argv, **defaults):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if len(argv) == 1 and argv[0].endswith(".json"):
-            return parser.parse_dict({**defaults, **read_json_object(argv[0], "the flags file ")})
+            flags = read_json_object(argv[0], "the flags file ")
+            check_trainer_json_files(flags)
+            return parser.parse_dict({**defaults, **flags})
+        check_trainer_json_files(argv)
         return parser.parse_args_into_dataclasses(argv)
     except ValueError as error:  # unknown flags, and TrainingArguments' own checks
         raise CommandError(error_line(error)) from None
@@ -328,6 +338,7 @@ def fine_tune(recipe, argv=None, progress=None):
     if recipe.check_training and "train" in tables:
         recipe.check_training(tables["train"], examples["train"][1], data_args)
     check_model_folder(model_args.model_name_or_path)  # before transformers and the tokenizer read it
+    check_tokenizer_folder(model_args.model_name_or_path, "--model_name_or_path")
     run_folder = None
     if training_args.do_train:
         run_folder = RunFolder(training_args.output_dir, training_args.resume_from_checkpoint,

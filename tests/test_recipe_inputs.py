@@ -4,6 +4,7 @@ that got as far as loading a model would fail on it instead."""
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,6 +47,7 @@ def model_folder(tmp_path):
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
+    (folder / "tokenizer_config.json").write_text("{}")
     return folder
 
 
@@ -388,6 +390,14 @@ def test_predict_never_overwrites_its_input_or_a_folder(tmp_path, capsys, pairs,
     assert pairs.read_bytes() == before
     line = error_of(capsys, predict.main, ["--model", model_folder, "--input_file", pairs, "--output_file", tmp_path])
     assert f"--output_file {tmp_path} is a folder" in line
+    # The model folder is an input too: none of its files is replaced (a CSV there, such as a recipe's predictions,
+    # is no file a model loads from).
+    (Path(model_folder) / "tokenizer.json").write_text("{}")
+    model_files = {path: path.read_bytes() for path in Path(model_folder).iterdir() if path.is_file()}
+    for path in (Path(model_folder) / "config.json", Path(model_folder) / "tokenizer.json"):
+        line = error_of(capsys, predict.main, ["--model", model_folder, "--input_file", pairs, "--output_file", path])
+        assert f"--output_file {path} is a file of the --model folder" in line
+    assert {path: path.read_bytes() for path in model_files} == model_files
 
 
 def test_predict_writes_references_as_written(tmp_path, capsys, model_folder, monkeypatch):

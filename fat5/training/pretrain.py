@@ -31,7 +31,13 @@ from transformers import AutoTokenizer, DataCollatorForSeq2Seq, HfArgumentParser
 from transformers.utils.logging import disable_progress_bar
 
 from convert.cli import EXIT_BAD_INPUT, CommandError, error_line, exit_with, run
-from convert.files import CHECKPOINT_JSON, check_model_folder, pickles_refused
+from convert.files import (
+    CHECKPOINT_JSON,
+    check_model_folder,
+    check_tokenizer_folder,
+    check_trainer_json_files,
+    pickles_refused,
+)
 from convert.safety import write_failures_reported
 
 from .data import DenoisingDataset, Documents, add_missing_tokens, train_sentencepiece
@@ -135,6 +141,7 @@ def parse_args(argv):
     parser = Parser((PretrainArguments, TrainerOptions), usage=USAGE, description=__doc__,
                     formatter_class=HelpFormatter)
     parser.set_defaults(**DEFAULTS["trainer"])
+    check_trainer_json_files(argv)
     try:
         args, training_args = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as error:  # TrainingArguments' own checks, e.g. --bf16 without a GPU or --use_cpu
@@ -154,8 +161,13 @@ def given_tokenizer(args, prefixes, rows):
     `rows` is the checkpoint's embedding size (None for a new model)."""
     if not (args.tokenizer or args.model_name_or_path):
         return None
-    check_model_folder(args.tokenizer or args.model_name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model_name_or_path)
+    folder, flag = (args.tokenizer, "--tokenizer") if args.tokenizer else (args.model_name_or_path,
+                                                                             "--model_name_or_path")
+    check_model_folder(folder)
+    check_tokenizer_folder(folder, flag, advice="name a folder that holds one with --tokenizer, or leave "
+                                                "--tokenizer out to train one on the corpus"
+                           if args.tokenizer else "name a folder that holds one with --tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     add_missing_tokens(tokenizer, prefixes, rows, rows is None or args.resize_embeddings)
     return tokenizer
 

@@ -11,8 +11,8 @@ requires transformers < 4.58, so this runs on transformers 4.57 only.
 import argparse
 from pathlib import Path
 
-from convert.cli import CliParser, CommandError, exit_with, run
-from convert.files import check_model_folder, read_json_object
+from fat5.cli import CliParser, CommandError, exit_with, run
+from fat5.files import check_model_folder, read_json_object
 
 # optimum's tasks for T5, all of which the T5 ONNX config exports.
 TASKS = ("text2text-generation-with-past", "text2text-generation", "feature-extraction-with-past",
@@ -67,7 +67,7 @@ def export(args, progress):
     register_fat5_onnx_config()
     from optimum.exporters.onnx import main_export
 
-    from convert.safety import write_failures_reported
+    from fat5.cli import write_failures_reported
 
     progress.describe = lambda: f"{out} may hold a partial export: delete it"
     # optimum loads the folder's own remote code, reruns the exported graphs on fresh inputs and checks them against

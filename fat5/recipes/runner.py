@@ -1,5 +1,5 @@
 """The one runner of the fine-tuning recipes: flags, data, tokenizer, model (+ LoRA), Trainer, train / evaluate /
-predict, save. A recipe (recipes/arguments.py `Recipe`) adds only how its rows become (input, target) texts, its
+predict, save. A recipe (fat5/recipes/arguments.py `Recipe`) adds only how its rows become (input, target) texts, its
 metric and, for a classification head, the class names.
 
 Every input is read and checked before the model loads, so bad input costs seconds and ends with one `error:` line.
@@ -28,9 +28,12 @@ from transformers import (
     TrainingArguments,
 )
 
-from convert.cli import CommandError, Progress, error_line
-from convert.files import CHECKPOINT_JSON, check_model_folder, pickles_refused, read_json_object
-from convert.safety import write_failures_reported
+from fat5 import register_auto_classes
+from fat5.cli import CommandError, Progress, error_line, write_failures_reported
+from fat5.files import CHECKPOINT_JSON, check_model_folder, pickles_refused, read_json_object
+from fat5.recipes.arguments import SEQ2SEQ_DEFAULTS, FileFormatArguments, ModelArguments
+from fat5.recipes.data import load_dataset_splits, read_table, write_predictions
+from fat5.training.flags import HelpFormatter
 from fat5.training.run_folder import (
     TRAINING_SETTINGS,
     RunFolder,
@@ -39,8 +42,6 @@ from fat5.training.run_folder import (
     RunInput,
     training_settings,
 )
-from recipes.arguments import FileFormatArguments, ModelArguments
-from recipes.data import load_dataset_splits, read_table, write_predictions
 
 logger = logging.getLogger("recipes")
 SPLITS = {"train": "do_train", "validation": "do_eval", "test": "do_predict"}
@@ -68,8 +69,23 @@ class RecipeTrainer(RunFolderTrainerMixin, Trainer):
 
 class RecipeParser(HfArgumentParser):
     def error(self, message):
-        # One `error:` line from convert.cli.run rather than argparse's usage dump.
+        # One `error:` line from fat5.cli.run rather than argparse's usage dump.
         raise CommandError(f"{message} (see --help)")
+
+
+def recipe_dataclasses(recipe):
+    """The dataclasses of a recipe's flags, in --help's order, and the Trainer defaults it changes."""
+    training_class = RecipeSeq2SeqTrainingArguments if recipe.seq2seq else RecipeTrainingArguments
+    return ((ModelArguments, recipe.data_arguments, FileFormatArguments, training_class),
+            SEQ2SEQ_DEFAULTS if recipe.seq2seq else {})
+
+
+def recipe_parser(recipe, prog=None, description=None):
+    """The HfArgumentParser of a recipe's flags, for --help-all."""
+    dataclass_types, defaults = recipe_dataclasses(recipe)
+    parser = RecipeParser(dataclass_types, prog=prog, description=description, formatter_class=HelpFormatter)
+    parser.set_defaults(**defaults)
+    return parser
 
 
 def parse_flags(dataclass_types, argv, **defaults):
@@ -92,7 +108,7 @@ def check_flags(recipe, data_args, format_args, training_args, classes):
             if getattr(training_args, flag):
                 raise CommandError(f"--{flag} has no effect without --do_train")
     if not recipe.seq2seq and training_args.do_predict:
-        raise CommandError("--do_predict: this recipe does not predict; run recipes.predict on the saved folder")
+        raise CommandError("--do_predict: this recipe does not predict; run fat5.recipes.predict on the saved folder")
     for split, do_flag in SPLITS.items():
         if getattr(training_args, do_flag):
             continue
@@ -315,10 +331,8 @@ def fine_tune(recipe, argv=None, progress=None):
     """Run a recipe with command-line flags `argv`; returns the Trainer. A training run owns its --output_dir
     for its lifetime (fat5/training/run_folder.py); evaluation and prediction only add their results to it."""
     progress = progress or Progress()
-    training_class = RecipeSeq2SeqTrainingArguments if recipe.seq2seq else RecipeTrainingArguments
-    model_args, data_args, format_args, training_args = parse_flags(
-        (ModelArguments, recipe.data_arguments, FileFormatArguments, training_class), argv,
-        **({"predict_with_generate": True} if recipe.seq2seq else {}))
+    dataclass_types, defaults = recipe_dataclasses(recipe)
+    model_args, data_args, format_args, training_args = parse_flags(dataclass_types, argv, **defaults)
     classes = recipe.classes(data_args) if recipe.classes else None
     if classes is not None:
         training_args.predict_with_generate = False
@@ -391,6 +405,7 @@ def train_evaluate_predict(recipe, model_args, data_args, training_args, classes
     if resume:
         check_model_folder(resume, also=CHECKPOINT_JSON)  # before Trainer reads them
     setup_logging(training_args)
+    register_auto_classes()  # the folder loads with this installation's FAT5 classes (transformers 5 prefers them)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
     encoded = {split: encode(tokenizer, *examples[split], data_args, classes, tables[split]) for split in tables}
     model = load_model(model_args, training_args, classes)

@@ -387,6 +387,26 @@ def test_generation_max_length_holds_over_the_models_max_new_tokens(demo_fat5, d
     assert max(lengths["bounded"]) <= 2, lengths
 
 
+def test_the_default_log_fits_a_screen(demo_fat5, data, tmp_path):
+    """A recipe run as a user runs it: the model in one line (transformers' info level would print its config at
+    every load and save), each message once (transformers 5.24 repeats a generation warning for every evaluation
+    batch once Seq2SeqTrainer has set the default max_length), no warning about pinned memory on a CPU."""
+    _, args, _ = RECIPES["translation"](demo_fat5, data, str(tmp_path / "out"))
+    process = subprocess.run(
+        [sys.executable, "-m", "fat5.recipes.translation", *args, "--validation_file", data["translation_dev"],
+         "--do_train", "--do_eval",
+         "--max_steps", "2", "--per_device_eval_batch_size", "2", "--report_to", "none", "--disable_tqdm", "true"],
+        cwd=REPO, capture_output=True, text=True)
+    assert process.returncode == 0, process.stderr[-3000:]
+    lines = [line for line in (process.stdout + process.stderr).splitlines() if line.strip()]
+    text = "\n".join(lines)
+    assert '"d_model"' not in text and "Model config" not in text and "pin_memory" not in text, text
+    assert len([line for line in lines if "model: FAT5ForConditionalGeneration from " in line]) == 1, text
+    messages = [line.split(": ", 1)[-1] for line in lines if "WARNING" in line or "warn" in line.lower()]
+    assert len(messages) == len(set(messages)), text
+    assert len(lines) < 40, text
+
+
 def test_ctrl_c_and_the_run_folder(demo_fat5, data, tmp_path, capsys):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it, data-loader workers included) ends a
     training run with one `interrupted:` line saying what the output folder holds, exit status 130. While it runs,

@@ -147,12 +147,36 @@ def load_splits(data_args, format_args, training_args):
     return tables
 
 
+class OnceEach(logging.Filter):
+    """Lets each message through once: transformers repeats some warnings for every batch (on 5.24, generate()'s
+    "Both `max_new_tokens` and `max_length` seem to have been set" once Seq2SeqTrainer has put the default
+    max_length into the model's generation config)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def filter(self, record):
+        key = (record.name, record.levelno, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
 def setup_logging(training_args):
-    """Console logging as in transformers' examples."""
-    level = logging.INFO if training_args.should_log else logging.WARNING
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=level)
-    transformers.utils.logging.set_verbosity(level)
+    """Console logging that fits a screen: the runner's own lines, and transformers' at --log_level (by default
+    its warnings only: its info level prints every config it loads or saves; `--log_level info` shows them), each
+    message once."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
+    transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
     transformers.utils.logging.enable_default_handler()
+    once = OnceEach()  # a new one each run
+    for handler in transformers.utils.logging.get_logger().handlers:  # transformers' own (its default handler)
+        for earlier in [each for each in handler.filters if isinstance(each, OnceEach)]:
+            handler.removeFilter(earlier)
+        handler.addFilter(once)
     transformers.set_seed(training_args.seed)
 
 
@@ -223,6 +247,13 @@ def training_attention(config, device):
     names = {"triton": "FAT5's Triton kernel", "sdpa": "SDPA", "eager": "the eager reference"}
     return (f"attention in training: {names.get(backend, backend)} on {device.type}, attention dropout "
             f"{config.attention_dropout_rate:g} (config.attention_dropout_rate)")
+
+
+def model_line(model, source):
+    """The model in one line (transformers' info level prints its whole config, at every load and save)."""
+    return (f"model: {type(model).__name__} from {source}, {model.num_parameters() / 1e6:.1f}M parameters "
+            f"({model.num_parameters(only_trainable=True) / 1e6:.1f}M trained), d_model {model.config.d_model}, "
+            f"vocabulary {model.config.vocab_size}")
 
 
 class RecipeSeq2SeqTrainer(RunFolderTrainerMixin, Seq2SeqTrainer):
@@ -405,10 +436,15 @@ def train_evaluate_predict(recipe, model_args, data_args, training_args, classes
     if resume:
         check_model_folder(resume, also=CHECKPOINT_JSON)  # before Trainer reads them
     setup_logging(training_args)
+    if training_args.device.type == "cpu":
+        # Pinned memory only speeds up copies to an accelerator; on the CPU torch ignores it, with a warning for
+        # every data loader.
+        training_args.dataloader_pin_memory = False
     register_auto_classes()  # the folder loads with this installation's FAT5 classes (transformers 5 prefers them)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
     encoded = {split: encode(tokenizer, *examples[split], data_args, classes, tables[split]) for split in tables}
     model = load_model(model_args, training_args, classes)
+    logger.info(model_line(model, model_args.model_name_or_path))
     if training_args.do_train and (line := training_attention(model.config, training_args.device)):
         logger.info(line)
     generates = recipe.seq2seq and classes is None and training_args.predict_with_generate

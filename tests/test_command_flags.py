@@ -65,6 +65,14 @@ def test_own_flags_read_as_hf_argument_parser_reads_them(command, tmp_path, monk
         assert [dataclasses.asdict(values) for values in flags.check(argv)] == expected, argv
 
 
+def test_the_recipes_say_the_generation_length_they_use():
+    """Not transformers' "the model configuration's max_length": the runner's (test_recipes.py tests its effect)."""
+    from fat5.recipes.runner import recipe_parser
+
+    help_text = " ".join(recipe_parser(translation.RECIPE).format_help().split())
+    assert "(default: the model's generation config when it sets max_new_tokens, else --max_target_length)" in help_text
+
+
 def test_pretraining_says_and_uses_its_own_learning_rate_defaults(tmp_path):
     """Not Trainer's 5e-05: 2e-2 for a new model (adamw_scale), 1e-4 when continuing (adamw), whatever the flag's
     spelling when given."""

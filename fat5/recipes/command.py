@@ -14,7 +14,7 @@ def recipe_flags(recipe, name, description):
     def full_parser():
         from fat5.recipes.runner import recipe_parser
 
-        return recipe_parser(recipe, prog, description)
+        return recipe_parser(recipe, prog, description, usage)
 
     prog = f"python -m fat5.recipes.{name}"
     groups = [("model", ModelArguments), ("data", recipe.data_arguments), ("data files", FileFormatArguments),

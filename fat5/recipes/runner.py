@@ -9,7 +9,7 @@ import json
 import logging
 import sys
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import datasets
@@ -55,7 +55,10 @@ RESUME_ADVICE = "resume from a checkpoint FAT5 wrote instead, or fine-tune its w
 
 @dataclass
 class RecipeSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, RunFolderArguments):
-    pass
+    # The default this runner uses (train_evaluate_predict), not the one transformers' help names.
+    generation_max_length: int | None = field(default=None, metadata={
+        "help": "longest generation in evaluation and prediction, in tokens (default: the model's generation "
+                "config when it sets max_new_tokens, else --max_target_length)"})
 
 
 @dataclass
@@ -80,10 +83,11 @@ def recipe_dataclasses(recipe):
             SEQ2SEQ_DEFAULTS if recipe.seq2seq else {})
 
 
-def recipe_parser(recipe, prog=None, description=None):
+def recipe_parser(recipe, prog=None, description=None, usage=None):
     """The HfArgumentParser of a recipe's flags, for --help-all."""
     dataclass_types, defaults = recipe_dataclasses(recipe)
-    parser = RecipeParser(dataclass_types, prog=prog, description=description, formatter_class=HelpFormatter)
+    parser = RecipeParser(dataclass_types, prog=prog, description=description, usage=usage,
+                          formatter_class=HelpFormatter)
     parser.set_defaults(**defaults)
     return parser
 

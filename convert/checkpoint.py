@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from convert.cli import CommandError, error_line
-from convert.files import pickle_refusal, read_json_object, refused_pickle
+from fat5.cli import CommandError, error_line
 from fat5.compat_fat5 import release
 from fat5.configuration_fat5 import FAT5Config
+from fat5.files import pickle_refusal, read_json_object, refused_pickle
 from fat5.modeling_fat5 import FAT5ForConditionalGeneration
 
 SUPPORTED_MODEL_TYPES = ("t5", "mt5", "umt5")

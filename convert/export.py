@@ -13,11 +13,10 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PretrainedConfig
 
 from convert.checkpoint import SAFETENSORS_DTYPES, iter_converted_tensors
-from convert.cli import CommandError, error_line
-from convert.files import check_model_folder, read_text
 from convert.hub import render_model_card
 from convert.parity import verify_parity
-from convert.safety import write_failures_reported
+from fat5.cli import CommandError, error_line, write_failures_reported
+from fat5.files import check_model_folder, read_text
 from fat5.remote_code_fat5 import mark_as_package, write_remote_code
 
 TOKENIZER_FILES = ("spiece.model", "sentencepiece.bpe.model", "tokenizer.json", "tokenizer_config.json",

@@ -15,7 +15,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from convert.cli import CheckFailed, CliParser, CommandError, add_output_arguments, error_line, exit_with, run
+from convert.cli import add_output_arguments
+from fat5.cli import CheckFailed, CliParser, CommandError, error_line, exit_with, run
 
 # Heavy modules (torch, transformers) are imported inside `convert`, where Ctrl-C is handled.
 DTYPES = ("bfloat16", "float16", "float32")
@@ -88,7 +89,9 @@ def run_demo_pipeline(out):
     from transformers import pipeline
 
     from convert.demo import DEMO_PROMPTS
+    from fat5 import register_auto_classes
 
+    register_auto_classes()  # as in a user's process that uses FAT5's classes (transformers 5 then prefers them)
     generator = pipeline("text2text-generation", model=str(out), trust_remote_code=True)
     wrong = []
     for prompt, expected in DEMO_PROMPTS:

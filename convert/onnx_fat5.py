@@ -11,8 +11,8 @@ requires transformers < 4.58, so this runs on transformers 4.57 only.
 import argparse
 from pathlib import Path
 
-from convert.cli import CliParser, CommandError, exit_with, run
-from convert.files import check_model_folder, read_json_object
+from fat5.cli import CliParser, CommandError, exit_with, run
+from fat5.files import check_model_folder, read_json_object
 
 # optimum's tasks for T5, all of which the T5 ONNX config exports.
 TASKS = ("text2text-generation-with-past", "text2text-generation", "feature-extraction-with-past",
@@ -68,7 +68,8 @@ def export(args, progress):
     register_fat5_onnx_config()
     from optimum.exporters.onnx import main_export
 
-    from convert.safety import AtomicOutput, write_failures_reported
+    from convert.safety import AtomicOutput
+    from fat5.cli import write_failures_reported
 
     # OUT is built in a staging folder beside it and put in place whole, as the converters' OUT: an interrupted or
     # failed export leaves no partial folder, and OUT may not overlap the model folder it reads.

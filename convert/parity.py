@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from convert.cli import CheckFailed
+from fat5.cli import CheckFailed
 
 # Verification tolerance on logits, relative to the largest reference logit, per stored dtype.
 PARITY_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}

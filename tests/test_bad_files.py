@@ -15,8 +15,8 @@ from test_pretrain import TINY, write_corpus
 
 from convert import fat5_to_t5, flan_to_fat5, onnx_fat5, refresh_code
 from convert.demo import DEMO_CHECKPOINT
+from fat5.recipes import predict, train
 from fat5.training import pretrain
-from recipes import predict, train
 
 # What each breakage writes, and what the one line then says about the file.
 BREAKAGES = {

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from convert.cli import CommandError
-from recipes import classify, predict, summarization, train, translation
-from recipes.data import JsonText, read_table
-from recipes.runner import one_line_worker_errors
+from fat5.cli import CommandError
+from fat5.recipes import classify, predict, summarization, train, translation
+from fat5.recipes.data import JsonText, read_table
+from fat5.recipes.runner import one_line_worker_errors
 
 NO_MODEL = "no-model-is-loaded"
 
@@ -43,7 +43,7 @@ def pairs(tmp_path):
 
 @pytest.fixture
 def model_folder(tmp_path):
-    """Enough of a saved folder for recipes.predict's checks (the model is never loaded here)."""
+    """Enough of a saved folder for fat5.recipes.predict's checks (the model is never loaded here)."""
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text("{}")

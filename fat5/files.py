@@ -1,4 +1,4 @@
-"""The user's JSON and text files, read under the command-line convention (convert/cli.py): a file that is missing,
+"""The user's JSON and text files, read under the command-line convention (fat5/cli.py): a file that is missing,
 a folder, unreadable, not UTF-8 or not JSON is one `CommandError` naming the file, and the line where it can.
 
 transformers, tokenizers and the Trainer read the JSON files of a model folder themselves, and a bad one reaches the
@@ -7,7 +7,7 @@ belongs, safetensors' error for truncated weights), or is silently skipped (a ba
 `check_model_folder` reads those files first.
 Refused pickles are said here too, once, in words that never suggest loading them unsafely.
 
-Only the standard library is imported with this module (see convert/cli.py); the checks of weight files import
+Only the standard library is imported with this module (see fat5/cli.py); the checks of weight files import
 safetensors and torch when they run.
 """
 
@@ -16,7 +16,7 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
-from convert.cli import CommandError, error_line
+from fat5.cli import CommandError, error_line
 
 # The JSON files of a model folder that transformers (4.57 and 5.x), tokenizers or PEFT parse when they load it.
 MODEL_FOLDER_JSON = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",

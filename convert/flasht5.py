@@ -32,8 +32,8 @@ from convert.checkpoint import (
     model_shapes,
     read_config,
 )
-from fat5.cli import error_line
 from convert.flasht5_reference import FlashT5Reference
+from fat5.cli import error_line
 from fat5.configuration_fat5 import FAT5Config
 from fat5.modeling_fat5 import FAT5ForConditionalGeneration
 

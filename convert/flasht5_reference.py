@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from convert.checkpoint import TensorSource
-from fat5.files import read_json_object
 from fat5.attention_fat5 import alibi_slopes
+from fat5.files import read_json_object
 from fat5.reference_fat5 import relative_position_bucket, t5_rms_norm
 
 FIRE_EPS = 1e-6  # added to flashT5's FIRE normaliser

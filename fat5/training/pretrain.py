@@ -40,7 +40,7 @@ from convert.files import (
 )
 from convert.safety import write_failures_reported
 
-from .data import DenoisingDataset, Documents, add_missing_tokens, train_sentencepiece
+from .data import DenoisingDataset, Documents, add_missing_tokens, sentencepiece_pieces, train_sentencepiece
 from .denoising import MIXTURES, DenoisingMixture, sentinel_token_ids
 from .models import (
     PRESETS,
@@ -93,7 +93,8 @@ class PretrainArguments:
     tokenizer: str = field(default=None, metadata={
         "help": "tokenizer folder (default: the checkpoint's; for a new model, a sentencepiece model is trained "
                 "on the corpus into OUTPUT_DIR/tokenizer, or reused from there)"})
-    tokenizer_vocab_size: int = field(default=32000, metadata={"help": "vocabulary of a trained tokenizer"})
+    tokenizer_vocab_size: int = field(default=32000, metadata={
+        "help": "sentencepiece pieces of a trained tokenizer, at most (a corpus that holds fewer gives fewer)"})
     tokenizer_train_documents: int = field(default=200_000, metadata={
         "help": "documents a tokenizer is trained on (the first ones of the corpus)"})
     resize_embeddings: bool = field(default=False, metadata={
@@ -173,17 +174,29 @@ def given_tokenizer(args, prefixes, rows):
 
 
 def trained_tokenizer(args, training_args, documents, prefixes):
-    """A sentencepiece tokenizer trained on the corpus into OUTPUT_DIR/tokenizer, or reused from there."""
+    """A sentencepiece tokenizer trained on the corpus into OUTPUT_DIR/tokenizer, or reused from there; one line
+    says the vocabulary it gives and why (a corpus too small for --tokenizer_vocab_size pieces gives fewer)."""
     trained = Path(training_args.output_dir) / "tokenizer"
     if (trained / "tokenizer_config.json").exists():
         check_model_folder(trained)
         tokenizer = AutoTokenizer.from_pretrained(trained)
+        origin = f"the tokenizer in {trained} (this run's)"
     else:
-        print(f"training a {args.tokenizer_vocab_size}-token sentencepiece tokenizer into {trained}")
+        print(f"training a sentencepiece tokenizer of at most {args.tokenizer_vocab_size:,} pieces on the first "
+              f"{args.tokenizer_train_documents:,} documents into {trained}")
         with write_failures_reported(f"the tokenizer {trained}", training_args.output_dir):
-            tokenizer = train_sentencepiece(documents, trained, args.tokenizer_vocab_size,
-                                            args.tokenizer_train_documents)
+            tokenizer, read = train_sentencepiece(documents, trained, args.tokenizer_vocab_size,
+                                                  args.tokenizer_train_documents)
+        origin = "the trained tokenizer"
+    pieces = sentencepiece_pieces(trained)
     add_missing_tokens(tokenizer, prefixes, None, True)
+    why = ""
+    if origin == "the trained tokenizer" and pieces < args.tokenizer_vocab_size:
+        why = (f", not {args.tokenizer_vocab_size:,}: that is all sentencepiece finds in the {read:,} documents it "
+               f"read (--tokenizer_vocab_size is an upper bound; more text gives more)")
+    say = print if training_args.process_index == 0 else (lambda *_: None)
+    say(f"vocabulary {len(tokenizer):,}: {origin} has {pieces:,} pieces{why}, plus "
+        f"{len(tokenizer) - pieces} sentinel and mode tokens")
     return tokenizer
 
 

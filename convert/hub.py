@@ -18,13 +18,14 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 
 from convert.cli import CommandError, error_line
+from convert.parity import PARITY_TEXTS
 from fat5.compat_fat5 import TESTED_TRANSFORMERS
 from fat5.remote_code_fat5 import PIPELINE_TASK, custom_pipelines_entry  # noqa: F401  (re-exported)
 
 MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent / "model_card_template.md"
-# The text of the card's example when the model's config names no task: the first parity sentence, without its
-# task prefix.
-SAMPLE_TEXT = "The house is wonderful."
+# The text of the card's example (after the model's own task prefix, if any): the converter's first parity
+# sentence, without its task prefix.
+SAMPLE_TEXT = PARITY_TEXTS[0].split(": ", 1)[1]
 # The labels of pyproject's [project.urls] the card links FAT5 to, in order of preference.
 PROJECT_URL_LABELS = ("repository", "source", "homepage")
 

@@ -159,6 +159,7 @@ def test_logged_throughput_is_the_tokens_trained_on_over_the_wall_time(tmp_path,
         step, seen = entry["step"], trained
 
 
+@pytest.mark.slow
 def test_checkpoint_loads_in_a_fresh_process_and_generates(scratch_run):
     _, out = scratch_run
     code = """

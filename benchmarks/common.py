@@ -220,14 +220,12 @@ def argument_parser(docstring):
     return argparse.ArgumentParser(description=docstring, formatter_class=HelpFormatter)
 
 
-def add_output_arguments(parser, plot=True):
-    """The output options every benchmark script takes (`plot`: whether it draws one)."""
+def add_output_arguments(parser):
+    """The output options of the side-by-side timing scripts."""
     parser.add_argument("--out", type=Path, default=OUT_DIR, metavar="DIR",
-                        help=f"folder for the raw rows (JSON){' and the plot (PNG)' if plot else ''} "
-                             f"(default: ./{OUT_DIR}/ in the current folder)")
-    if plot:
-        parser.add_argument("--no-plot", action="store_true", help=f"draw no plot (plots need matplotlib: "
-                                                                    f"{BENCH_EXTRA})")
+                        help=f"folder for the raw rows (JSON) and the plot (PNG) (default: ./{OUT_DIR}/ in the "
+                             f"current folder)")
+    parser.add_argument("--no-plot", action="store_true", help=f"draw no plot (plots need matplotlib: {BENCH_EXTRA})")
     parser.add_argument("--update-results", action="store_true",
                         help="also append the markdown table to benchmarks/RESULTS.md of this checkout")
     parser.add_argument("--smoke", action="store_true",

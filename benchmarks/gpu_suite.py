@@ -3,7 +3,8 @@ table of the goals (met / missed / not measured).
 
     python benchmarks/gpu_suite.py --out DIR         # one H100: about 24 minutes; everything lands in DIR
     python benchmarks/gpu_suite.py --update-results  # also append every table to benchmarks/RESULTS.md
-    python benchmarks/gpu_suite.py --smoke           # CPU, tiny sizes: checks the suite itself (CI)
+    python benchmarks/gpu_suite.py --smoke           # CPU, tiny sizes: checks the suite itself (CI); without
+                                                     # --smoke it needs CUDA, and says so
 
 Stages run one after another, each in its own process under its own time limit (--timeout STAGE=SECONDS), so an
 error, an out-of-memory or a timeout in one leaves every other stage's results. Wheels in --wheels (default .whl/,
@@ -83,6 +84,7 @@ def parse_args():
         if name not in known or not seconds.isdigit() or int(seconds) < 1:
             parser.error(f"--timeout {item!r}: expected STAGE=SECONDS with STAGE one of {', '.join(sorted(known))}")
         args.limits[name] = int(seconds)
+    common.require_gpu(args, "run --smoke (it checks the suite itself)")
     return args
 
 

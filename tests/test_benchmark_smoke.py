@@ -156,6 +156,7 @@ def test_gpu_suite_smoke_isolates_stages_collects_and_ends_with_the_goal_table(t
     ("attention.py", "run --smoke (it checks the script in Triton's interpreter)"),
     *(pytest.param(script, "run --smoke (it checks the script), or --allow-cpu with smaller sizes",
                    marks=pytest.mark.slow) for script in ("train_step.py", "generate.py")),
+    pytest.param("gpu_suite.py", "run --smoke (it checks the suite itself)", marks=pytest.mark.slow),
 ])
 def test_default_run_without_a_gpu_says_what_to_run_instead(tmp_path, script, instead):
     result = subprocess.run([sys.executable, str(BENCHMARKS / script), "--out", str(tmp_path)], capture_output=True,

@@ -14,7 +14,7 @@ from transformers import GenerationConfig, PretrainedConfig
 
 from convert.checkpoint import SAFETENSORS_DTYPES, iter_converted_tensors
 from convert.cli import CommandError, error_line
-from convert.files import check_model_folder, read_text
+from convert.files import check_model_folder, holds_tokenizer, read_text
 from convert.hub import render_model_card, task_example
 from convert.parity import verify_parity
 from convert.safety import write_failures_reported
@@ -132,11 +132,6 @@ def copy_side_files(source_folder, folder, source_config):
     return copied
 
 
-def has_tokenizer_files(folder):
-    """Whether `folder` holds any tokenizer file (what `copy_side_files` copies)."""
-    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
-
-
 def source_card_metadata(source_folder):
     """license, language and description (the text after the metadata, or None) of the source's model card, when
     it has one; a card whose YAML header cannot be read is a one-line error."""
@@ -187,7 +182,7 @@ def export(plan, source_folder, output, *, dtype=None, attention_backend="auto",
                 language=metadata.get("language"), family=plan.source_config["model_type"],
                 num_parameters=sum(torch.Size(shape).numel() for shape in plan.shapes.values()),
                 repo_id=repo_id, folder_name=output.out.resolve().name, convert_command=convert_command,
-                example=example or task_example(plan.source_config), has_tokenizer=has_tokenizer_files(source_folder),
+                example=example or task_example(plan.source_config), has_tokenizer=holds_tokenizer(source_folder),
                 vocab_size=plan.source_config.get("vocab_size"), source_description=metadata.get("description"))
     check_card_renders(card)
     with output as staging:
@@ -204,5 +199,5 @@ def export(plan, source_folder, output, *, dtype=None, attention_backend="auto",
     return difference, sample
 
 
-__all__ = ["ExportError", "export", "has_tokenizer_files", "parse_size", "validate_side_files", "write_remote_code",
+__all__ = ["ExportError", "export", "parse_size", "validate_side_files", "write_remote_code",
            "write_safetensors_streaming", "verify_parity"]

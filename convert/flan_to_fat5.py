@@ -122,7 +122,8 @@ def convert(args, progress, argv=None):
 
     from convert.checkpoint import plan_conversion, read_config
     from convert.demo import DEMO_CHECKPOINT
-    from convert.export import export, has_tokenizer_files, parse_size
+    from convert.export import export, parse_size
+    from convert.files import TOKENIZER_FILES, holds_tokenizer
     from convert.flasht5 import MODEL_TYPE as FLASHT5
     from convert.flasht5 import plan_flasht5_conversion
     from convert.hub import check_push_access, push_to_hub
@@ -150,9 +151,9 @@ def convert(args, progress, argv=None):
         example=demo_example() if demo else None)
     if difference is not None:
         print(f"Parity: max |logits difference| = {difference:.3g} ({sample})")
-    if not has_tokenizer_files(source_folder):  # said once the folder is written, so a failure stays one line
-        print(f"warning: {src} has no tokenizer files; {out} has none either, and its model card says so "
-              f"(tokenize with the source model's tokenizer)", file=sys.stderr)
+    if not holds_tokenizer(source_folder):  # said once the folder is written, so a failure stays one line
+        print(f"warning: {src} has no tokenizer files ({' or '.join(TOKENIZER_FILES)}); {out} has no tokenizer "
+              f"either, and its model card says so (tokenize with the source model's tokenizer)", file=sys.stderr)
     print(f"Wrote {out}: {progress.describe()}")
     if args.push_to_hub:
         url = push_to_hub(out, args.push_to_hub, private=args.private, revision=args.revision,

@@ -140,8 +140,9 @@ def test_conversion_keeps_the_source_card_and_task_and_warns_without_a_tokenizer
     assert main([str(src), str(tmp_path / "out" / "tiny-fat5")]) == 0
     captured = capsys.readouterr()
     warnings = [line for line in captured.err.splitlines() if line.startswith("warning:")]
-    assert warnings == [f"warning: {src} has no tokenizer files; {tmp_path / 'out' / 'tiny-fat5'} has none either, "
-                        f"and its model card says so (tokenize with the source model's tokenizer)"]
+    assert warnings == [f"warning: {src} has no tokenizer files (tokenizer_config.json or tokenizer.json); "
+                        f"{tmp_path / 'out' / 'tiny-fat5'} has no tokenizer either, and its model card says so "
+                        f"(tokenize with the source model's tokenizer)"]
     card = ModelCard.load(tmp_path / "out" / "tiny-fat5" / "README.md")
     assert card.data.license == "mit"
     assert "### A tiny T5\n\nTrained on nothing at all." in card.text

@@ -177,26 +177,28 @@ def trained_tokenizer(args, training_args, documents, prefixes):
     """A sentencepiece tokenizer trained on the corpus into OUTPUT_DIR/tokenizer, or reused from there; one line
     says the vocabulary it gives and why (a corpus too small for --tokenizer_vocab_size pieces gives fewer)."""
     trained = Path(training_args.output_dir) / "tokenizer"
+    read = None  # documents the tokenizer was trained on here (None: reused)
     if (trained / "tokenizer_config.json").exists():
         check_model_folder(trained)
         tokenizer = AutoTokenizer.from_pretrained(trained)
-        origin = f"the tokenizer in {trained} (this run's)"
     else:
         print(f"training a sentencepiece tokenizer of at most {args.tokenizer_vocab_size:,} pieces on the first "
               f"{args.tokenizer_train_documents:,} documents into {trained}")
         with write_failures_reported(f"the tokenizer {trained}", training_args.output_dir):
             tokenizer, read = train_sentencepiece(documents, trained, args.tokenizer_vocab_size,
                                                   args.tokenizer_train_documents)
-        origin = "the trained tokenizer"
     pieces = sentencepiece_pieces(trained)
     add_missing_tokens(tokenizer, prefixes, None, True)
-    why = ""
-    if origin == "the trained tokenizer" and pieces < args.tokenizer_vocab_size:
-        why = (f", not {args.tokenizer_vocab_size:,}: that is all sentencepiece finds in the {read:,} documents it "
-               f"read (--tokenizer_vocab_size is an upper bound; more text gives more)")
-    say = print if training_args.process_index == 0 else (lambda *_: None)
-    say(f"vocabulary {len(tokenizer):,}: {origin} has {pieces:,} pieces{why}, plus "
-        f"{len(tokenizer) - pieces} sentinel and mode tokens")
+    if read is None:
+        origin = f"the tokenizer in {trained} (this run's) has {pieces:,} pieces"
+    elif pieces < args.tokenizer_vocab_size:
+        origin = (f"the trained tokenizer has {pieces:,} pieces, not {args.tokenizer_vocab_size:,}: that is all "
+                  f"sentencepiece finds in the {read:,} documents it read (--tokenizer_vocab_size is an upper bound; "
+                  f"more text gives more)")
+    else:
+        origin = f"the trained tokenizer has {pieces:,} pieces"
+    if training_args.process_index == 0:
+        print(f"vocabulary {len(tokenizer):,}: {origin}, plus {len(tokenizer) - pieces} sentinel and mode tokens")
     return tokenizer
 
 

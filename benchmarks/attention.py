@@ -2,6 +2,7 @@
 
     python benchmarks/attention.py                  # H100/H200: T5-base heads, bf16, 32k tokens a batch
     python benchmarks/attention.py --smoke          # CPU, Triton interpreter: checks the script end to end
+                                                    # (without --smoke it needs CUDA, and says so)
     python benchmarks/attention.py --decode         # one decoder step (Lq = 1) against a Lk-long cache
     python benchmarks/attention.py --dropout 0.1 --impl fat5,fat5_nodropout,sdpa_dense_bias,sdpa_nobias
                                                     # attention dropout p on every implementation that has it
@@ -20,7 +21,6 @@ FLOPs: forward 4·B·H·L²·D (half of it when causal); forward+backward counts
 transformers builds, sdpa_nobias as the bar to reach), in microseconds, batch 1 and 32, Lk = 512...8192.
 """
 
-import argparse
 import os
 import sys
 
@@ -32,11 +32,16 @@ if SMOKE and not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
-import triton  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.nn.attention.flex_attention import flex_attention  # noqa: E402
 
 import common  # noqa: E402  (puts this checkout first on sys.path)
+
+try:
+    import triton  # noqa: E402
+except ImportError:
+    print(f"attention.py: needs triton ({common.BENCH_EXTRA})", file=sys.stderr)
+    sys.exit(2)
 from fat5.kernels.flash_attention_t5 import flash_attention_t5  # noqa: E402
 from fat5.reference_fat5 import relative_position_bucket  # noqa: E402
 
@@ -283,25 +288,34 @@ def plot(rows, args, path):
     common.save_figure(figure, f"T5 attention, {device_name()}", path)
 
 
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=common.positive_ints, default="512,1024,2048,4096,8192,16384,32768")
-    parser.add_argument("--heads", type=common.positive_int, default=12)
-    parser.add_argument("--head-dim", type=common.positive_int, default=64)
+def build_parser():
+    parser = common.argument_parser(__doc__)
+    parser.add_argument("--lengths", type=common.positive_ints, default="512,1024,2048,4096,8192,16384,32768",
+                        help="sequence lengths L (queries = keys), comma-separated")
+    parser.add_argument("--heads", type=common.positive_int, default=12, help="attention heads")
+    parser.add_argument("--head-dim", type=common.positive_int, default=64, help="head dimension D")
     parser.add_argument("--tokens", type=common.positive_int, default=32768, help="tokens a batch: batch = tokens // L")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--impl", default=",".join(name for name in IMPLEMENTATIONS if name != "fat5_nodropout"))
-    parser.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="dtype of queries, keys and values")
+    parser.add_argument("--impl", default=",".join(name for name in IMPLEMENTATIONS if name != "fat5_nodropout"),
+                        help=f"implementations to time, comma-separated, from: {', '.join(IMPLEMENTATIONS)}")
+    parser.add_argument("--causal", default="both", choices=["both", "yes", "no"],
+                        help="decoder self-attention (causal), encoder (not), or both")
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="attention dropout probability of every implementation (fat5_nodropout: none)")
     parser.add_argument("--peer-max-length", type=int, default=16384, help="peers stop at this L (fat5 goes on)")
-    parser.add_argument("--reps", type=common.positive_int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--reps", type=common.positive_int, default=20, help="timed calls (the median is kept)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
     common.add_output_arguments(parser)
     parser.add_argument("--decode", action="store_true", help="time one generation step instead (Lq = 1)")
     parser.add_argument("--decode-lengths", type=common.positive_ints, default="512,1024,2048,4096,8192",
                         help="cache lengths Lk")
-    parser.add_argument("--decode-batches", type=common.positive_ints, default="1,32")
+    parser.add_argument("--decode-batches", type=common.positive_ints, default="1,32", help="batch sizes of --decode")
+    return parser
+
+
+def parse_args():
+    parser = build_parser()
     args = parser.parse_args()
     if args.smoke:
         args.lengths, args.heads, args.head_dim, args.tokens = [32, 48], 2, 32, 96
@@ -315,6 +329,7 @@ def parse_args():
     unknown = sorted(set(args.impl) - set(IMPLEMENTATIONS))
     if unknown:
         parser.error(f"unknown --impl {unknown}; choose from {IMPLEMENTATIONS}")
+    common.require_gpu(args, "run --smoke (it checks the script in Triton's interpreter)")
     return args
 
 

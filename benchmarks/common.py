@@ -21,7 +21,10 @@ if str(ROOT) not in sys.path:
 import transformers  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
-OUT_DIR = ROOT / "benchmarks" / "results"
+# Where results go by default: a folder of the current directory (git-ignored in a checkout), never the checkout's
+# tracked files; `--out benchmarks/results` keeps them with the repository on purpose.
+OUT_DIR = Path("bench-results")
+BENCH_EXTRA = 'pip install -e ".[bench]"'
 # FAT5's T5 family: transformers' T5 v1.1-base shape (random weights; the vocabulary is T5's).
 V11_BASE = dict(vocab_size=32128, d_model=768, d_kv=64, d_ff=2048, num_layers=12, num_heads=12,
                 feed_forward_proj="gated-gelu")
@@ -155,10 +158,15 @@ def ratio(ours, theirs):
     return f"{ours / theirs:.2f}x" if ours and theirs else "-"
 
 
+def result_path(benchmark, out_dir):
+    """<out_dir>/<benchmark>_<device>_<date>.json, the folder created."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir / f"{benchmark}_{slug(device_name())}_{today()}.json"
+
+
 def write_rows(benchmark, rows, settings, out_dir):
     """Raw rows plus device, versions, date and settings as JSON: <out_dir>/<benchmark>_<device>_<date>.json."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{benchmark}_{slug(device_name())}_{today()}.json"
+    path = result_path(benchmark, out_dir)
     document = {"benchmark": benchmark, "device": device_name(), "date": today(), **versions(),
                 "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "settings": settings, "rows": rows}
     path.write_text(json.dumps(document, indent=1, default=str) + "\n")
@@ -171,7 +179,7 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)")
+        print(f"matplotlib is not installed: no plot ({BENCH_EXTRA})")
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -197,18 +205,54 @@ def markdown_head(title, description, columns):
             "|" + " --- |" * len(columns)]
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the script's docstring as written; shows each default, except empty ones and those its help says."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default in ("", []) \
+                or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def argument_parser(docstring):
+    """The parser of a benchmark script: its docstring as the description, every default shown."""
+    return argparse.ArgumentParser(description=docstring, formatter_class=HelpFormatter)
+
+
 def add_output_arguments(parser):
-    """The output options every benchmark script takes."""
-    parser.add_argument("--out-dir", type=Path, default=OUT_DIR)
-    parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--update-results", action="store_true", help=f"append the table to {RESULTS}")
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script itself")
+    """The output options of the side-by-side timing scripts."""
+    parser.add_argument("--out", type=Path, default=OUT_DIR, metavar="DIR",
+                        help=f"folder for the raw rows (JSON) and the plot (PNG) (default: ./{OUT_DIR}/ in the "
+                             f"current folder)")
+    parser.add_argument("--no-plot", action="store_true", help=f"draw no plot (plots need matplotlib: {BENCH_EXTRA})")
+    parser.add_argument("--update-results", action="store_true",
+                        help="also append the markdown table to benchmarks/RESULTS.md of this checkout")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes on CPU (the Triton interpreter): checks the script itself, times nothing "
+                             "worth reading")
+
+
+def require_gpu(args, instead="run --smoke"):
+    """A script whose default sizes are a GPU's stops, without CUDA, with one line saying what to run instead and
+    exit status 2 (bad input, as the project's commands). `--smoke`, and `--allow-cpu` where the script has it,
+    run anyway."""
+    if args.smoke or getattr(args, "allow_cpu", False) or torch.cuda.is_available():
+        return
+    print(f"{Path(sys.argv[0]).name}: needs a CUDA GPU; on CPU {instead}", file=sys.stderr)
+    sys.exit(2)
+
+
+def add_allow_cpu_argument(parser):
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="run without a GPU at the sizes given (the defaults are a GPU's: pass smaller ones; "
+                             "benchmarks/RESULTS.md has the CPU commands)")
 
 
 def report(benchmark, rows, table, settings, args, plot=None):
     """Print the table, write the raw rows (and `plot(rows, args, png_path)`), append the table when asked."""
     print("\n" + table)
-    path = write_rows(benchmark, rows, settings, args.out_dir)
+    path = write_rows(benchmark, rows, settings, args.out)
     if plot is not None and not args.no_plot:
         plot(rows, args, path.with_suffix(".png"))
     if args.update_results:
@@ -269,7 +313,8 @@ def add_model_arguments(parser, dtype_help=None):
     parser.add_argument("--shape", default="", help="T5 config overrides of the v1.1-base shape, e.g. "
                         "d_model=256,num_layers=4,num_heads=4,d_ff=1024")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
-                        default="bfloat16" if torch.cuda.is_available() else "float32", help=dtype_help)
+                        default="bfloat16" if torch.cuda.is_available() else "float32",
+                        help=dtype_help or "dtype of the weights (default: bfloat16 on CUDA, float32 on CPU)")
 
 
 def reference_and_check(shape):

@@ -8,7 +8,6 @@ fresh process without and with verification, and reads each process's peak resid
 1.25 x model + 1 GB. Nothing is kept on disk.
 """
 
-import argparse
 import json
 import platform
 import subprocess
@@ -19,6 +18,8 @@ from pathlib import Path
 import torch
 import transformers
 from safetensors.torch import save_file
+
+import common
 
 REPO = Path(__file__).resolve().parent.parent
 GB = 10**9
@@ -95,9 +96,9 @@ def peak_rss(args, cwd):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = common.argument_parser(__doc__)
     parser.add_argument("--gb", type=float, default=1.2, help="model size in GB (fp32), at least 1")
-    parser.add_argument("--shard-size", default="300MB", help="source shard size (default 300MB)")
+    parser.add_argument("--shard-size", default="300MB", help="source shard size, in MB")
     args = parser.parse_args()
     shard_bytes = int(float(args.shard_size.upper().removesuffix("MB")) * 10**6)
     with tempfile.TemporaryDirectory() as scratch:

@@ -2,6 +2,8 @@
 
     python benchmarks/generate.py --update-results   # GPU: v1.1-base shape, bf16, encoder 512, 128 new tokens
     python benchmarks/generate.py --smoke            # CPU: tiny shapes, checks the script end to end
+    python benchmarks/generate.py --allow-cpu --shape d_model=256,num_heads=4,d_ff=1024,num_layers=4 ...
+                                                     # CPU at sizes it can run (benchmarks/RESULTS.md)
 
 Greedy decoding of exactly --new-tokens tokens (min_new_tokens = max_new_tokens) after an encoder input of
 --encoder-length tokens, at each batch size. tokens/s counts generated tokens (batch x new tokens), encoder
@@ -14,7 +16,6 @@ logits are compared with the eager T5's (fp32); each row also records whether it
 cache) for the same inputs.
 """
 
-import argparse
 
 import torch
 
@@ -22,6 +23,19 @@ import common
 
 CACHES = ("dynamic", "static", "static+compile")
 DEFAULT_IMPL = "fat5,t5_eager,t5_sdpa,t5_flex"
+
+
+def token_mismatch(tokens, reference):
+    """None when generated `tokens` equal FAT5's `reference`; otherwise the row's status, saying how many rows
+    differ and from which new token. (Such a row is still timed: it generated as many tokens.)"""
+    if torch.equal(tokens, reference):
+        return None
+    if tokens.shape != reference.shape:
+        return f"mismatch: output shape {tuple(tokens.shape)}, FAT5's {tuple(reference.shape)}"
+    differ = (tokens != reference).cpu()
+    rows = differ.any(dim=1)
+    first = int(differ.int().argmax(dim=1)[rows].min())  # position 0 is the decoder start token
+    return f"mismatch: tokens differ from FAT5's in {int(rows.sum())} of {len(tokens)} rows, from new token {first}"
 
 
 def generate_rows(name, model, args, fat5_tokens):
@@ -58,20 +72,27 @@ def generate_rows(name, model, args, fat5_tokens):
                 if name == "fat5" and cache == "dynamic":
                     fat5_tokens[batch] = tokens
                 if batch in fat5_tokens:
-                    row["same_tokens_as_fat5"] = torch.equal(tokens, fat5_tokens[batch])
+                    mismatch = token_mismatch(tokens, fat5_tokens[batch])
+                    row["same_tokens_as_fat5"] = mismatch is None
+                    row["status"] = mismatch or "ok"
             except Exception as error:  # a cache or peer that cannot run here: a row, not a crash
                 row["status"] = common.error_status(error)
             common.release_memory()
             speed = f"{row['tokens_per_s']:.0f} tok/s {row['ms']:.1f} ms peak {row['peak_mib']} MiB " \
-                f"same tokens as fat5: {row['same_tokens_as_fat5']}" if row["status"] == "ok" else ""
+                f"same tokens as fat5: {row['same_tokens_as_fat5']}" if timed(row) else ""
             print(f"  {name:10s} {cache:15s} batch={batch:<4d} {speed} {row['status']}", flush=True)
     model.forward = eager_forward
     return rows
 
 
+def timed(row):
+    """Whether `row` has a speed: it ran, its tokens equal to FAT5's or not (the same number of them either way)."""
+    return row["status"] == "ok" or row["status"].startswith("mismatch")
+
+
 def best(rows, batch, prefix, cache=None):
     values = [r["tokens_per_s"] for r in rows if r["batch"] == batch and r["implementation"].startswith(prefix)
-              and r["status"] == "ok" and (cache is None or r["cache"] == cache)]
+              and timed(r) and (cache is None or r["cache"] == cache)]
     return max(values) if values else None
 
 
@@ -79,7 +100,8 @@ def markdown(rows, args):
     lines = common.markdown_head(
         "Generation",
         f"shape {args.shape}; {args.dtype} weights; encoder {args.encoder_length} tokens, {args.new_tokens} new "
-        "tokens, greedy. Cells: generated tokens/s (`*`: tokens differ from FAT5's). Ratio: FAT5 over the best "
+        "tokens, greedy. Cells: generated tokens/s (`*`: mismatch, its tokens differ from FAT5's; the row's "
+        "status in the JSON says where). Ratio: FAT5 over the best "
         "transformers T5 with the same cache; the `best` rows compare each side's best cache.",
         ["batch", "cache", *args.impl, "fat5 / best T5"])
     for batch in args.batches:
@@ -87,9 +109,8 @@ def markdown(rows, args):
             cells = []
             for name in args.impl:
                 row = next(r for r in rows if (r["implementation"], r["cache"], r["batch"]) == (name, cache, batch))
-                mark = "*" if row["same_tokens_as_fat5"] is False else ""
-                cells.append(f"{row['tokens_per_s']:.4g}{mark}" if row["status"] == "ok"
-                             else row["status"].split(":")[0])
+                mark = "*" if row["status"].startswith("mismatch") else ""
+                cells.append(f"{row['tokens_per_s']:.4g}{mark}" if timed(row) else row["status"].split(":")[0])
             speed = common.ratio(best(rows, batch, "fat5", cache), best(rows, batch, "t5_", cache))
             lines.append(f"| {batch} | {cache} | " + " | ".join(cells) + f" | {speed} |")
         cells = [f"{best(rows, batch, name):.4g}" if best(rows, batch, name) else "-" for name in args.impl]
@@ -115,17 +136,27 @@ def plot(rows, args, path):
     common.save_figure(figure, f"T5 generation, {common.device_name()}", path)
 
 
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--encoder-length", type=common.positive_int, default=512)
-    parser.add_argument("--new-tokens", type=common.positive_int, default=128)
-    parser.add_argument("--batches", type=common.positive_ints, default="1,32")
-    parser.add_argument("--impl", default=DEFAULT_IMPL)
-    parser.add_argument("--caches", default=",".join(CACHES))
+def build_parser():
+    parser = common.argument_parser(__doc__)
+    parser.add_argument("--encoder-length", type=common.positive_int, default=512, help="encoder input tokens")
+    parser.add_argument("--new-tokens", type=common.positive_int, default=128,
+                        help="tokens each generate call produces (min_new_tokens = max_new_tokens)")
+    parser.add_argument("--batches", type=common.positive_ints, default="1,32", help="batch sizes, comma-separated")
+    parser.add_argument("--impl", default=DEFAULT_IMPL,
+                        help=f"implementations, comma-separated: fat5 and transformers' "
+                             f"{', '.join(common.T5_ATTENTION)}")
+    parser.add_argument("--caches", default=",".join(CACHES), help="caches, comma-separated")
     common.add_model_arguments(parser)
-    parser.add_argument("--reps", type=common.positive_int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--reps", type=common.positive_int, default=3, help="timed generate calls (the median is "
+                                                                            "kept)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed generate calls before timing")
+    common.add_allow_cpu_argument(parser)
     common.add_output_arguments(parser)
+    return parser
+
+
+def parse_args():
+    parser = build_parser()
     args = parser.parse_args()
     base = common.V11_BASE
     if args.smoke:
@@ -147,6 +178,7 @@ def parse_args():
     if "fat5" in args.impl:
         args.impl.remove("fat5")
         args.impl.insert(0, "fat5")  # first, so the others can be compared with its tokens
+    common.require_gpu(args, "run --smoke (it checks the script), or --allow-cpu with smaller sizes")
     return args
 
 
@@ -169,6 +201,10 @@ def main():
     settings = dict(shape=args.shape, dtype=args.dtype, encoder_length=args.encoder_length,
                     new_tokens=args.new_tokens, reps=args.reps, warmup=args.warmup)
     common.report("generate", rows, table, settings, args, plot)
+    mismatches = [row for row in rows if row["status"].startswith("mismatch")]
+    if mismatches:
+        print(f"{len(mismatches)} of {len(rows)} rows generated other tokens than FAT5 (dynamic cache): "
+              + "; ".join(f"{r['implementation']} {r['cache']} batch {r['batch']}: {r['status']}" for r in mismatches))
 
 
 if __name__ == "__main__":

@@ -8,11 +8,10 @@ both steps are counted under FakeTensorMode (shapes and dtypes only, nothing all
 run for real at full size to check the fake count, and loss, gradients and step time are compared in real runs
 at `--check-tokens`.
 
-    python benchmarks/loss_memory.py                # mT5 vocabulary, 8,192 target tokens
+    python benchmarks/loss_memory.py                # mT5 vocabulary, 8,192 target tokens (CPU or GPU)
     python benchmarks/loss_memory.py --smoke        # seconds: small vocabulary and batch
 """
 
-import argparse
 import json
 import platform
 import sys
@@ -120,14 +119,18 @@ def liger_check(vocab_size, d_model, tokens, reps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vocab-size", type=int, default=250112)
-    parser.add_argument("--d-model", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=8192, help="target tokens per step")
-    parser.add_argument("--check-tokens", type=int, default=1024, help="tokens of the real loss/gradient check")
-    parser.add_argument("--reps", type=int, default=5, help="timed steps of each kind at --check-tokens")
+    parser = common.argument_parser(__doc__)
+    parser.add_argument("--vocab-size", type=common.positive_int, default=250112,
+                        help="vocabulary (the LM head's rows; 250112 is mT5's)")
+    parser.add_argument("--d-model", type=common.positive_int, default=32, help="model width")
+    parser.add_argument("--tokens", type=common.positive_int, default=8192, help="target tokens per step")
+    parser.add_argument("--check-tokens", type=common.positive_int, default=1024,
+                        help="tokens of the real loss/gradient check")
+    parser.add_argument("--reps", type=common.positive_int, default=5,
+                        help="timed steps of each kind at --check-tokens")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
-    parser.add_argument("--output", type=Path, help="write the results as JSON here")
+    parser.add_argument("--out", type=Path, default=common.OUT_DIR, metavar="DIR",
+                        help=f"folder for the results (JSON) (default: ./{common.OUT_DIR}/ in the current folder)")
     args = parser.parse_args()
     if args.smoke:
         args.vocab_size, args.tokens, args.check_tokens, args.reps = 5000, 2048, 256, 1
@@ -165,8 +168,9 @@ def main():
               f"{liger['loss_relative_difference']:.2e}, max gradient rel diff "
               f"{liger['max_gradient_relative_difference']:.2e}; step ms {liger['step_ms']}; peak MiB "
               f"{liger['peak_mib']}", flush=True)
-    if args.output:
-        args.output.write_text(json.dumps(result, indent=2) + "\n")
+    path = common.result_path("loss_memory", args.out)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"results: {path}")
     if not args.smoke and full < 4 * chunked:
         sys.exit(f"chunked peak {chunked / gib:.3f} GiB is more than 1/4 of the full-logits peak {full / gib:.3f} GiB")
 

@@ -26,6 +26,7 @@ MUFU count over the scores one thread holds (1 = one exp2 per score, plus the pe
 `_drop` compile attention dropout in (DROPOUT=True); `far/no-drop` compares their far loop with the same loop of
 the variant without dropout.
 """
+import argparse
 import collections
 import json
 import os
@@ -35,7 +36,10 @@ import sys
 import tempfile
 import types
 
-assert os.environ.get("TRITON_INTERPRET") != "1", "unset TRITON_INTERPRET: this tool compiles for the GPU"
+if os.environ.get("TRITON_INTERPRET") == "1":
+    print("sm90_profile.py: unset TRITON_INTERPRET (env -u TRITON_INTERPRET python ...): this tool compiles for the "
+          "GPU", file=sys.stderr)
+    sys.exit(2)
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -177,9 +181,23 @@ def far_loop(tag, row):
     return loops[1] if len(loops) >= 2 else (loops[0] if loops else None)
 
 
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("variants", nargs="*", metavar="VARIANT",
+                        help=f"variants to compile (default: every one without dropout): {', '.join(VARIANTS)}")
+    parser.add_argument("--dropout", action="store_true",
+                        help="also the attention-dropout variants and the same variants without dropout")
+    args = parser.parse_args()
+    unknown = [tag for tag in args.variants if tag not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    return args
+
+
 if __name__ == "__main__":
-    chosen = [tag for tag in sys.argv[1:] if tag != "--dropout"]
-    if "--dropout" in sys.argv[1:]:
+    args = parse_args()
+    chosen = list(args.variants)
+    if args.dropout:
         chosen += [tag for base in DROPOUT_VARIANTS for tag in (base, base + "_drop") if tag not in chosen]
     chosen = chosen or [tag for tag in VARIANTS if not VARIANTS[tag].get("dropout")]
     rows = []

@@ -2,6 +2,8 @@
 
     python benchmarks/train_step.py --update-results   # GPU: v1.1-base shape, bf16 autocast, L = 512 ... 32768
     python benchmarks/train_step.py --smoke            # CPU: tiny shapes, checks the script end to end
+    python benchmarks/train_step.py --allow-cpu --shape d_model=256,num_heads=4,d_ff=1024,num_layers=4 ...
+                                                       # CPU at sizes it can run (benchmarks/RESULTS.md)
 
 One step = forward with labels (encoder L tokens, decoder 128), backward, AdamW step, gradients set to None.
 Batch = --tokens // L. tokens/s counts encoder tokens (batch x L). Peak memory is above the resting state
@@ -15,7 +17,6 @@ Implementations:
 Before timing, every model's logits are compared with the eager T5's (fp32); a mismatch marks its rows.
 """
 
-import argparse
 import contextlib
 
 import torch
@@ -23,6 +24,7 @@ import torch
 import common
 
 DEFAULT_IMPL = "fat5,fat5+compile,t5_eager,t5_sdpa,t5_flex"
+CPU_INSTEAD = "run --smoke (it checks the script), or --allow-cpu with smaller sizes"
 
 
 def autocast(args):
@@ -122,19 +124,28 @@ def plot(rows, args, path):
     common.save_figure(figure, f"T5 training step, {common.device_name()}", path)
 
 
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=common.positive_ints,
-                        default="512,1024,2048,4096,8192,16384,32768")
+def build_parser():
+    parser = common.argument_parser(__doc__)
+    parser.add_argument("--lengths", type=common.positive_ints, default="512,1024,2048,4096,8192,16384,32768",
+                        help="encoder lengths L, comma-separated")
     parser.add_argument("--tokens", type=common.positive_int, default=32768,
                         help="encoder tokens a batch: batch = tokens // L")
-    parser.add_argument("--decoder-length", type=common.positive_int, default=128)
-    parser.add_argument("--impl", default=DEFAULT_IMPL)
+    parser.add_argument("--decoder-length", type=common.positive_int, default=128, help="decoder tokens an example")
+    parser.add_argument("--impl", default=DEFAULT_IMPL,
+                        help="implementations, comma-separated: fat5 and transformers' "
+                             f"{', '.join(common.T5_ATTENTION)}, each optionally +compile")
     common.add_model_arguments(
-        parser, dtype_help="autocast dtype (weights and AdamW state stay fp32, as Trainer's bf16=True)")
-    parser.add_argument("--reps", type=common.positive_int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+        parser, dtype_help="autocast dtype (weights and AdamW state stay fp32, as Trainer's bf16=True; default: "
+                           "bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--reps", type=common.positive_int, default=10, help="timed steps (the median is kept)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
+    common.add_allow_cpu_argument(parser)
     common.add_output_arguments(parser)
+    return parser
+
+
+def parse_args():
+    parser = build_parser()
     args = parser.parse_args()
     base = common.V11_BASE
     if args.smoke:
@@ -149,6 +160,7 @@ def parse_args():
     if unknown:
         parser.error(f"unknown --impl {unknown}; choose from fat5, {', '.join(common.T5_ATTENTION)} "
                      "(each optionally +compile)")
+    common.require_gpu(args, CPU_INSTEAD)
     return args
 
 

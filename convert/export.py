@@ -13,10 +13,10 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PretrainedConfig
 
 from convert.checkpoint import SAFETENSORS_DTYPES, iter_converted_tensors
-from convert.hub import render_model_card
+from convert.hub import render_model_card, task_example
 from convert.parity import verify_parity
 from fat5.cli import CommandError, error_line, write_failures_reported
-from fat5.files import check_model_folder, read_text
+from fat5.files import check_model_folder, holds_tokenizer, read_text
 from fat5.remote_code_fat5 import mark_as_package, write_remote_code
 
 TOKENIZER_FILES = ("spiece.model", "sentencepiece.bpe.model", "tokenizer.json", "tokenizer_config.json",
@@ -132,8 +132,8 @@ def copy_side_files(source_folder, folder, source_config):
 
 
 def source_card_metadata(source_folder):
-    """license and language of the source's model card, when it has one; a card whose YAML header cannot be
-    read is a one-line error."""
+    """license, language and description (the text after the metadata, or None) of the source's model card, when
+    it has one; a card whose YAML header cannot be read is a one-line error."""
     import yaml
     from huggingface_hub import ModelCard
 
@@ -141,11 +141,12 @@ def source_card_metadata(source_folder):
     if not readme.exists():
         return {}
     try:
-        data = ModelCard(read_text(readme).removeprefix("\ufeff")).data  # as ModelCard.load, BOM or not
+        card = ModelCard(read_text(readme).removeprefix("\ufeff"))  # as ModelCard.load, BOM or not
     except (ValueError, yaml.YAMLError) as error:
         raise ExportError(f"the source's README.md has an unreadable metadata header: {error_line(error)}") \
             from error
-    return {"license": data.get("license"), "language": data.get("language")}
+    return {"license": card.data.get("license"), "language": card.data.get("language"),
+            "description": card.text.strip() or None}
 
 
 def validate_side_files(source_folder):
@@ -169,15 +170,19 @@ def check_card_renders(card):
 
 def export(plan, source_folder, output, *, dtype=None, attention_backend="auto", max_shard_size="5GB",
            verify=True, allow_non_finite=False, base_model=None, source_name=None, convert_command=None,
-           repo_id=None):
+           repo_id=None, example=None):
     """Write the FAT5 folder for `plan` through `output` (a convert.safety.AtomicOutput): it appears complete
-    and verified, or not at all. Returns (max |logits difference|, sample description), or (None, None)."""
+    and verified, or not at all. Returns (max |logits difference|, sample description), or (None, None).
+    `example`: the model card's example (convert.hub.task_example's dict, plus the `output` the model gives), when
+    the caller knows a better one than the config's task."""
     max_bytes = parse_size(max_shard_size)
     metadata = validate_side_files(source_folder)
     card = dict(base_model=base_model, source_name=source_name, license=metadata.get("license"),
                 language=metadata.get("language"), family=plan.source_config["model_type"],
                 num_parameters=sum(torch.Size(shape).numel() for shape in plan.shapes.values()),
-                repo_id=repo_id, convert_command=convert_command)
+                repo_id=repo_id, folder_name=output.out.resolve().name, convert_command=convert_command,
+                example=example or task_example(plan.source_config), has_tokenizer=holds_tokenizer(source_folder),
+                vocab_size=plan.source_config.get("vocab_size"), source_description=metadata.get("description"))
     check_card_renders(card)
     with output as staging:
         with write_failures_reported(output.out, staging.parent):

@@ -82,6 +82,17 @@ def base_model_id(explicit, hub_id, source_config):
     return explicit or hub_id or from_config
 
 
+def demo_example():
+    """The demo's model card example: the first prompt the demo command checks, and its answer."""
+    from convert.demo import DEMO_PROMPTS
+
+    prompt, answer = DEMO_PROMPTS[0]
+    tasks = list(dict.fromkeys(f"`{text.split(':')[0]}:`" for text, _ in DEMO_PROMPTS))
+    return dict(text=prompt, pipeline_text=prompt, output=answer,
+                note=f"The demo model knows {len(tasks)} synthetic tasks, each named by its prefix "
+                     f"({', '.join(tasks)}); the answer shown is the one the demo command checks after converting.")
+
+
 def run_demo_pipeline(out):
     """Answer the demo prompts with the text2text pipeline loaded from `out`, as a user would; the answers are
     known, so a wrong one fails the command (FAT5 then computes wrongly under the installed transformers)."""
@@ -115,6 +126,7 @@ def convert(args, progress, argv=None):
     from convert.checkpoint import plan_conversion, read_config
     from convert.demo import DEMO_CHECKPOINT
     from convert.export import export, parse_size
+    from fat5.files import TOKENIZER_FILES, holds_tokenizer
     from convert.flasht5 import MODEL_TYPE as FLASHT5
     from convert.flasht5 import plan_flasht5_conversion
     from convert.hub import check_push_access, push_to_hub
@@ -138,9 +150,13 @@ def convert(args, progress, argv=None):
         attention_backend=args.attn_implementation, max_shard_size=args.max_shard_size, verify=not args.no_verify,
         allow_non_finite=args.allow_non_finite,
         base_model=base_model_id(args.base_model, hub_id, plan.source_config),
-        source_name=Path(source_folder).resolve().name, convert_command=command, repo_id=args.push_to_hub)
+        source_name=Path(source_folder).resolve().name, convert_command=command, repo_id=args.push_to_hub,
+        example=demo_example() if demo else None)
     if difference is not None:
         print(f"Parity: max |logits difference| = {difference:.3g} ({sample})")
+    if not holds_tokenizer(source_folder):  # said once the folder is written, so a failure stays one line
+        print(f"warning: {src} has no tokenizer files ({' or '.join(TOKENIZER_FILES)}); {out} has no tokenizer "
+              f"either, and its model card says so (tokenize with the source model's tokenizer)", file=sys.stderr)
     print(f"Wrote {out}: {progress.describe()}")
     if args.push_to_hub:
         url = push_to_hub(out, args.push_to_hub, private=args.private, revision=args.revision,

@@ -132,11 +132,16 @@ def check_trainer_json_files(flags):
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 
+def holds_tokenizer(folder):
+    """Whether `folder` holds a tokenizer AutoTokenizer can load whatever its config (TOKENIZER_FILES)."""
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
 def check_tokenizer_folder(folder, what, advice="copy the tokenizer files of the model it comes from into it"):
     """Refuse, in one line, a local folder without a tokenizer: AutoTokenizer's own error for it is a multi-line
     ValueError that asks to install sentencepiece, which is installed. `what` names the flag ("--model")."""
     folder = Path(folder)
-    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+    if folder.is_dir() and not holds_tokenizer(folder):
         raise CommandError(f"{what} {folder} holds no tokenizer ({' or '.join(TOKENIZER_FILES)}): {advice}")
 
 

@@ -1,4 +1,4 @@
-"""What every test shares: where Triton kernels run, the tiny model's config, and the `gpu` tier.
+"""What every test shares: where Triton kernels run, the tiny model's config, the `gpu` and `slow` tiers.
 
 Test files import `KERNEL_DEVICE` and `tiny_config` from here (`from conftest import ...`: tests/ is on sys.path);
 tests that only need them as arguments take the `kernel_device` and `tiny_config` fixtures.
@@ -42,6 +42,16 @@ def kernel_device_fixture():
 @pytest.fixture(name="tiny_config")
 def tiny_config_fixture():
     return tiny_config
+
+
+def pytest_configure(config):
+    """The default run leaves the slow tier out (pyproject.toml's addopts, `-m "not slow"`); a run that names test
+    files or tests without a -m of its own runs them whole, slow tests included."""
+    args = config.invocation_params.args
+    marks_given = any(arg.startswith("-m") for arg in args)
+    named = any(".py" in arg or "::" in arg for arg in args if not arg.startswith("-"))
+    if named and not marks_given and config.option.markexpr == "not slow":
+        config.option.markexpr = ""
 
 
 def pytest_collection_modifyitems(config, items):

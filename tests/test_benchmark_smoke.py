@@ -2,17 +2,20 @@
 with one error line. No timing is asserted: only that rows exist, the JSON is valid and the ratios were computed."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def run_smoke(script, tmp_path, *extra):
-    result = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke", "--no-plot", "--out-dir",
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke", "--no-plot", "--out",
                              str(tmp_path), *extra], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     (raw,) = tmp_path.glob("*.json")
@@ -34,6 +37,7 @@ def test_attention_smoke_writes_rows(tmp_path):
         ("fat5", "fwd"), ("fat5", "fwd+bwd"), ("sdpa_dense_bias", "fwd"), ("sdpa_dense_bias", "fwd+bwd")}
 
 
+@pytest.mark.slow
 def test_train_step_smoke_compares_fat5_with_transformers_t5(tmp_path):
     stdout, rows = run_smoke("train_step.py", tmp_path)
     assert "max|logits - T5 eager logits| / max|logits|" in stdout
@@ -50,6 +54,7 @@ def test_train_step_smoke_compares_fat5_with_transformers_t5(tmp_path):
         assert speed.endswith("x") and float(speed[:-1]) > 0
 
 
+@pytest.mark.slow
 def test_generate_smoke_compares_fat5_with_transformers_t5(tmp_path):
     stdout, rows = run_smoke("generate.py", tmp_path)
     by_key = {(r["implementation"], r["cache"], r["batch"]): r for r in rows}
@@ -68,13 +73,14 @@ def test_generate_smoke_compares_fat5_with_transformers_t5(tmp_path):
     assert len(best) == 2 and all(line.strip(" |").split(" | ")[-1].endswith("x") for line in best)
 
 
+@pytest.mark.slow
 def test_loss_memory_smoke_run(tmp_path):
     """benchmarks/loss_memory.py at tiny sizes: both steps counted, chunked loss and gradients equal to the full."""
     script = BENCHMARKS / "loss_memory.py"
-    output = tmp_path / "loss_memory.json"
-    result = subprocess.run([sys.executable, str(script), "--smoke", "--output", str(output)],
+    result = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    (output,) = tmp_path.glob("loss_memory_*.json")
     row = json.loads(output.read_text())
     assert set(row["peak_bytes"]) == {"full fp32 logits", "chunked (default)"}
     assert row["chunked_peak_bytes_real_run"] == row["peak_bytes"]["chunked (default)"]
@@ -83,6 +89,7 @@ def test_loss_memory_smoke_run(tmp_path):
     assert isinstance(row["liger"], dict) or row["liger"].startswith("not measured: ")
 
 
+@pytest.mark.slow
 def test_attention_dropout_smoke_compares_the_kernel_with_and_without_dropout(tmp_path):
     stdout, rows = run_smoke("attention.py", tmp_path, "--dropout", "0.1", "--causal", "no", "--impl",
                              "fat5,fat5_nodropout,sdpa_dense_bias")
@@ -91,6 +98,7 @@ def test_attention_dropout_smoke_compares_the_kernel_with_and_without_dropout(tm
     assert "fat5 / fat5_nodropout" in stdout
 
 
+@pytest.mark.slow
 def test_decode_smoke_run_writes_rows(tmp_path):
     stdout, rows = run_smoke("attention.py", tmp_path, "--decode")
     assert "| batch | Lk | fat5 | sdpa_dense_bias | sdpa_nobias |" in stdout
@@ -100,18 +108,21 @@ def test_decode_smoke_run_writes_rows(tmp_path):
 
 @pytest.mark.parametrize("script, flags, message", [
     ("train_step.py", ["--lengths", "512,0"], "argument --lengths: 0 is not a positive integer"),
-    ("generate.py", ["--shape", "d_model=x"], "error: --shape d_model: 'x' is not an integer"),
-    ("attention.py", ["--decode", "--decode-batches", "one"], "argument --decode-batches: 'one' is not an integer"),
-    ("attention.py", ["--dropout", "1.0"], "--dropout 1.0: must be in [0, 1)"),
+    pytest.param("generate.py", ["--shape", "d_model=x"], "error: --shape d_model: 'x' is not an integer",
+                 marks=pytest.mark.slow),
+    pytest.param("attention.py", ["--decode", "--decode-batches", "one"],
+                 "argument --decode-batches: 'one' is not an integer", marks=pytest.mark.slow),
+    pytest.param("attention.py", ["--dropout", "1.0"], "--dropout 1.0: must be in [0, 1)", marks=pytest.mark.slow),
     ("gpu_suite.py", ["--stages", "tests,nope"], "unknown --stages ['tests', 'nope']; choose from attention_decode, "
      "attention_decoder, attention_decoder_dropout, attention_encoder, attention_encoder_dropout, generate, "
      "gpu_tests, loss_memory, train_step, train_step_compiled"),
-    ("gpu_suite.py", ["--timeout", "generate=0"], "--timeout 'generate=0': expected STAGE=SECONDS with STAGE one of "
-     "attention_decode, attention_decoder, attention_decoder_dropout, attention_encoder, attention_encoder_dropout, "
-     "generate, gpu_tests, loss_memory, train_step, train_step_compiled"),
+    pytest.param("gpu_suite.py", ["--timeout", "generate=0"], "--timeout 'generate=0': expected STAGE=SECONDS with "
+                 "STAGE one of attention_decode, attention_decoder, attention_decoder_dropout, attention_encoder, "
+                 "attention_encoder_dropout, generate, gpu_tests, loss_memory, train_step, train_step_compiled",
+                 marks=pytest.mark.slow),
 ])
 def test_bad_flag_is_one_error_line_and_nonzero_exit(tmp_path, script, flags, message):
-    output = ["--out", str(tmp_path / "out")] if script == "gpu_suite.py" else ["--out-dir", str(tmp_path)]
+    output = ["--out", str(tmp_path / "out")] if script == "gpu_suite.py" else ["--out", str(tmp_path)]
     result = subprocess.run([sys.executable, str(BENCHMARKS / script), *flags, *output],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
@@ -119,6 +130,7 @@ def test_bad_flag_is_one_error_line_and_nonzero_exit(tmp_path, script, flags, me
     assert "Traceback" not in result.stderr and not any(tmp_path.iterdir())  # nothing measured, nothing written
 
 
+@pytest.mark.slow
 def test_gpu_suite_smoke_isolates_stages_collects_and_ends_with_the_goal_table(tmp_path):
     """Two cheap stages, one of them timed out: the other still runs, and --out collects its results."""
     results_before = (BENCHMARKS / "RESULTS.md").read_text()
@@ -134,8 +146,79 @@ def test_gpu_suite_smoke_isolates_stages_collects_and_ends_with_the_goal_table(t
     assert len(lines) == 12 and all(line.endswith(("| met |", "| MISSED |", "| not measured |")) for line in lines)
     assert {path.name for path in out.iterdir()} >= {"results.json", "tables.md", "suite.log"}
     document = json.loads((out / "results.json").read_text())
-    assert "loss_memory.json" in document["stages"]["loss_memory"] and len(document["goals"]) == 12
+    (rows_file,) = document["stages"]["loss_memory"]
+    assert rows_file.startswith("loss_memory_") and len(document["goals"]) == 12
     assert (BENCHMARKS / "RESULTS.md").read_text() == results_before  # a smoke run writes nothing in the tree
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without CUDA answers")
+@pytest.mark.parametrize("script, instead", [
+    ("attention.py", "run --smoke (it checks the script in Triton's interpreter)"),
+    *(pytest.param(script, "run --smoke (it checks the script), or --allow-cpu with smaller sizes",
+                   marks=pytest.mark.slow) for script in ("train_step.py", "generate.py")),
+    pytest.param("gpu_suite.py", "run --smoke (it checks the suite itself)", marks=pytest.mark.slow),
+])
+def test_default_run_without_a_gpu_says_what_to_run_instead(tmp_path, script, instead):
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), "--out", str(tmp_path)], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"{script}: needs a CUDA GPU; on CPU {instead}"], result.stderr[-3000:]
+    assert not any(tmp_path.iterdir())  # nothing measured, nothing written
+
+
+# Runs each script given as __main__ in one process, argparse's parse_args replaced: it records the flags without
+# help of the parser the script builds and stops the script there. sm90_profile.py goes last (it replaces the
+# `fat5` module with a bare package).
+EVERY_FLAG_HAS_HELP = """
+import argparse, json, os, runpy, sys
+
+class Parsed(Exception):
+    pass
+
+def report(parser, *args, **kwargs):
+    raise Parsed([action.option_strings or action.dest for action in parser._actions if not action.help])
+
+argparse.ArgumentParser.parse_args = report
+without_help = {}
+for script in sys.argv[1:]:
+    sys.argv = [script]
+    sys.path.insert(0, os.path.dirname(script))  # as `python SCRIPT` does
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except Parsed as parsed:
+        without_help[os.path.basename(script)] = parsed.args[0]
+print(json.dumps(without_help))
+"""
+
+
+def test_every_flag_has_help():
+    scripts = sorted((path for path in BENCHMARKS.glob("*.py") if path.name != "common.py"),
+                     key=lambda path: (path.name == "sm90_profile.py", path.name))
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}  # sm90_profile's rule
+    result = subprocess.run([sys.executable, "-c", EVERY_FLAG_HAS_HELP, *map(str, scripts)], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    without_help = json.loads(result.stdout.strip().splitlines()[-1])
+    assert without_help == {path.name: [] for path in scripts}
+
+
+def test_generate_reports_other_tokens_as_a_mismatch():
+    sys.path.insert(0, str(BENCHMARKS))
+    import generate
+
+    fat5 = torch.tensor([[0, 5, 6, 7], [0, 5, 6, 7]])
+    assert generate.token_mismatch(fat5.clone(), fat5) is None
+    other = fat5.clone()
+    other[1, 3] = 9
+    assert generate.token_mismatch(other, fat5) == \
+        "mismatch: tokens differ from FAT5's in 1 of 2 rows, from new token 3"
+    # The row keeps its speed (as many tokens were generated), and the table marks it.
+    row = dict(implementation="t5_eager", cache="dynamic", batch=2, tokens_per_s=50.0, status="mismatch: ...")
+    ours = dict(implementation="fat5", cache="dynamic", batch=2, tokens_per_s=100.0, status="ok")
+    args = SimpleNamespace(shape={}, dtype="bfloat16", encoder_length=8, new_tokens=3, batches=[2],
+                           caches=["dynamic"], impl=["fat5", "t5_eager"])
+    table = generate.markdown([ours, row], args)
+    assert "| 2 | dynamic | 100 | 50* | 2.00x |" in table and "`*`: mismatch" in table
 
 
 def test_gpu_suite_goals_from_rows():
@@ -173,3 +256,6 @@ def test_gpu_suite_goals_from_rows():
     assert [goal["status"] for goal in goals] == ["met", "met", "MISSED", "met", "MISSED"]
     assert goals[1]["figure"] == "4.00x" and goals[2]["figure"] == "3.00x"
     assert [goal["status"] for goal in gpu_suite.model_goals([], [])] == ["not measured"] * 5
+    # A peer whose tokens differ generated as many: its speed still counts against FAT5's.
+    generate_rows[1]["status"] = "mismatch: tokens differ from FAT5's in 1 of 1 rows, from new token 7"
+    assert gpu_suite.model_goals(train_rows, generate_rows)[4]["figure"] == "1.80x"

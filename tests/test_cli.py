@@ -81,15 +81,16 @@ def test_dtype_and_backend_options(flan, tmp_path):
     assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
 
 
+# A process each (a few seconds): half of them in the slow tier (their checks also run in-process elsewhere).
 @pytest.mark.parametrize("args, message", [
     (["{missing}", "{out}"], "does not exist"),
-    (["{flan}", "{out}", "--dtype", "int4"], "invalid choice: 'int4'"),
+    pytest.param(["{flan}", "{out}", "--dtype", "int4"], "invalid choice: 'int4'", marks=pytest.mark.slow),
     (["{flan}", "{out}", "--max-shard-size", "lots"], "is not a size"),
-    (["{flan}"], "OUT is required"),
-    (["{unsupported}", "{out}"], "unsupported model_type 'bart'"),
+    pytest.param(["{flan}"], "OUT is required", marks=pytest.mark.slow),
+    pytest.param(["{unsupported}", "{out}"], "unsupported model_type 'bart'", marks=pytest.mark.slow),
     (["{truncated}", "{out}"], "corrupt or truncated"),
     (["{flan}", "{nonempty}"], "exists and is not empty"),
-    (["{flan}", "{out}", "--push-to-hub", "me/x"], "no Hugging Face credentials"),
+    pytest.param(["{flan}", "{out}", "--push-to-hub", "me/x"], "no Hugging Face credentials", marks=pytest.mark.slow),
 ])
 def test_bad_input_is_one_line_and_nonzero(flan, tmp_path, args, message):
     unsupported = make_t5_checkpoint("flan-t5", tmp_path / "bart")

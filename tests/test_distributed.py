@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+# Several processes per backend (about 2 minutes on 2 CPU cores): the slow tier, `python -m pytest -m slow`.
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("deepspeed", reason="DeepSpeed is in the test extra; without it ZeRO-3 cannot be tested")
 
 import distributed_worker as worker  # noqa: E402

@@ -486,10 +486,15 @@ def test_philox_is_random123s_and_the_kernels_is_tritons():
     assert torch.equal(torch.cat(words), out[:256].cpu())
 
 
+# The slow tier (python -m pytest -m slow) holds the costlier kernel sweeps; each test keeps cases in the default.
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("case", [
-    "encoder_right_padding", "encoder_left_padding", "decoder_causal", "decode_offset", "decode_far_beyond",
-    "alibi_causal", "alibi", "cross_no_bias_scale", "long_far_tiles", "head_dim_64", "head_dim_128",
-    "fully_masked_rows", "fp16",
+    "encoder_left_padding", "decoder_causal", "decode_offset", "decode_far_beyond", "alibi", "cross_no_bias_scale",
+    "head_dim_64", "head_dim_128", "fp16",
+    *(pytest.param(case, marks=SLOW)
+      for case in ("encoder_right_padding", "alibi_causal", "long_far_tiles", "fully_masked_rows")),
 ])
 def test_dropout_matches_the_mask_a_reference_draws(case):
     """Output and every gradient (q, k, v, bias table) equal the fp64 reference that drops the mask drawn in torch
@@ -544,7 +549,7 @@ def test_dropout_matches_the_mask_a_reference_draws(case):
         check_against_reference(q, k, v, table, tolerance=FP16_TOLERANCE, bidirectional=True, **dropout)
 
 
-@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("bidirectional", [True, pytest.param(False, marks=SLOW)])
 def test_dropout_with_dq_tiles_taller_than_key_tiles(monkeypatch, bidirectional):
     """The near band's per-diagonal table gradient with dropout, on 32 x 16 dQ tiles (GPU dQ tiles are 128 x 32)."""
     default_blocks = kernel_module._blocks
@@ -568,8 +573,10 @@ GPU_SIZED_TILES = {"d64": {"forward": (128, 64), "dkdv": (128, 64), "dq": (128, 
                    "mixed": {"forward": (32, 32), "dkdv": (32, 64), "dq": (64, 64)}}
 
 
-@pytest.mark.parametrize("tiles", list(GPU_SIZED_TILES))
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal, tiles", [
+    (False, "d64"), pytest.param(False, "d128", marks=SLOW), pytest.param(False, "mixed", marks=SLOW),
+    pytest.param(True, "d64", marks=SLOW), (True, "d128"), pytest.param(True, "mixed", marks=SLOW),
+])
 def test_dropout_on_gpu_sized_tiles(monkeypatch, tiles, causal):
     """The same mask whatever the tiles (it is a function of the pair alone): forward and backward on the GPU's
     32- and 64-wide key tiles, against the reference, on ragged lengths with padding."""
@@ -586,8 +593,8 @@ def test_dropout_on_gpu_sized_tiles(monkeypatch, tiles, causal):
 
 @pytest.mark.parametrize("bias, causal, key_lengths", [
     ("t5", False, None),
-    ("alibi", True, None),
-    ("t5", False, [40, 3, 12, 9]),  # cross attention: other key lengths
+    pytest.param("alibi", True, None, marks=SLOW),
+    pytest.param("t5", False, [40, 3, 12, 9], marks=SLOW),  # cross attention: other key lengths
 ])
 def test_dropout_in_varlen_packed_sequences(bias, causal, key_lengths):
     """Packed sequence n draws the mask of batch entry n, rows and columns counted from its own start."""
@@ -605,6 +612,7 @@ def observed_masks(dropout_p, draws, batch=2, heads=2, query_length=48, key_leng
     return torch.stack(outputs) * key_length * (1 - dropout_p)
 
 
+@SLOW
 @pytest.mark.parametrize("dropout_p", [0.1, 0.6])
 def test_dropout_keep_rate_is_within_binomial_bounds(dropout_p):
     """Over many draws the kept fraction is 1 - p within 5 standard deviations (p as the kernel rounds it to 16
@@ -690,6 +698,7 @@ def test_dropout_seeds_reproduce_and_differ():
     assert not torch.equal(first[0], run()[0])
 
 
+@SLOW  # the default tier has test_gpu_model's reduced gradient-checkpointing test
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_activation_checkpointing_recomputes_the_same_mask(use_reentrant):
     """torch.utils.checkpoint (transformers', FSDP's) restores torch's generator before recomputing, so the

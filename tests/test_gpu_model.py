@@ -153,6 +153,7 @@ def test_low_precision_is_within_its_rounding_of_fp32(scale, heads, d_kv, length
 
 # More than one head in both scales: with one head a fake output whose strides differ from the real output's
 # (tests/test_flash_attention_t5.py::test_fake_output_has_the_real_output_strides) goes unnoticed.
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", one_per_scale())
 def test_compiled_training_step_with_the_custom_ops_matches_eager_mode(scale):
     """torch.compile(fullgraph=True) over forward, backward and AdamW with the attention, RMSNorm and loss ops
@@ -341,6 +342,7 @@ def dropout_step_losses(scale, backend, seed, steps, dropout_rate=0.1):
     return torch.tensor(losses)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", one_per_scale())
 def test_training_with_attention_dropout_on_the_kernel_tracks_sdpa(scale):
     """A model with dropout 0.1 trains on the kernel (in-kernel dropout) as on SDPA (torch's dropout), statistically,

@@ -1,6 +1,8 @@
 """convert.hub: the model card and the upload, without any network (HF_HUB_OFFLINE=1, HfApi mocked)."""
 
 import importlib.util
+import json
+import shutil
 from unittest import mock
 
 import huggingface_hub
@@ -9,7 +11,9 @@ from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 
 from convert import hub
-from convert.hub import PushError, custom_pipelines_entry, push_to_hub, render_model_card
+from convert.demo import DEMO_CHECKPOINT
+from convert.hub import PushError, custom_pipelines_entry, push_to_hub, render_model_card, task_example
+from t5_checkpoints import make_t5_checkpoint
 
 CARD_ARGS = dict(
     base_model="google/flan-t5-small",
@@ -48,11 +52,110 @@ def test_card_metadata_and_body(tmp_path):
 
 def test_card_without_source_metadata(tmp_path):
     args = {**CARD_ARGS, "base_model": None, "license": None}
-    card = ModelCard.load(render_model_card(tmp_path, **args))
+    card = ModelCard.load(render_model_card(tmp_path, **args, folder_name="my-fat5"))
     assert "base_model" not in card.data.to_dict() and "license" not in card.data.to_dict()
     assert "conversion of" not in card.text
-    assert 'from_pretrained("path/to/this/folder", trust_remote_code=True)' in card.text
+    # Not pushed: the snippets load the folder by the name it was written under, and the card says so.
+    assert 'from_pretrained("my-fat5", trust_remote_code=True)' in card.text
+    assert "load this folder as `my-fat5`, the name it was written under" in card.text
+    assert "path/to" not in card.text
     assert "`python -m convert.flan_to_fat5`" in card.text
+
+
+def test_card_needs_a_name_to_load():
+    with pytest.raises(ValueError, match="repo_id or folder_name"):
+        render_model_card("unused", **CARD_ARGS)
+
+
+@pytest.mark.parametrize("config, text, pipeline_text, note", [
+    ({"prefix": "summarize: "}, "summarize: The house is wonderful.", "The house is wonderful.",
+     "The config sets `prefix` to `summarize: `: the pipeline puts it before every input itself"),
+    ({"task_specific_params": {"summarization": {"prefix": "summarize: ", "num_beams": 4},
+                               "translation_en_to_fr": {"prefix": "translate English to French: "},
+                               "no_prefix": {"max_length": 20}}},
+     "summarize: The house is wonderful.", "summarize: The house is wonderful.",
+     "the `summarization` task of the config's `task_specific_params`; the others: translation_en_to_fr "
+     "(`translate English to French: `)"),
+    ({"prefix": None, "task_specific_params": None}, "The house is wonderful.", "The house is wonderful.",
+     "The config names no task"),
+], ids=["prefix", "task_specific_params", "none"])
+def test_example_comes_from_the_models_own_task(tmp_path, config, text, pipeline_text, note):
+    example = task_example(config)
+    assert (example["text"], example["pipeline_text"]) == (text, pipeline_text) and note in example["note"]
+    body = ModelCard.load(render_model_card(tmp_path, **CARD_ARGS, repo_id="me/x", example=example)).text
+    assert f'tokenizer("{text}", return_tensors="pt")' in body
+    assert f'generator("{pipeline_text}", max_new_tokens=32)' in body
+    assert note in body
+    assert "translate English to German" not in body  # only a model whose config says so gets that example
+
+
+def test_source_description_is_kept_below_its_own_heading(tmp_path):
+    description = ("# Model Card for FLAN-T5 small\n\nInstruction-tuned T5.\n\n## Usage\n\n"
+                   "```python\n# not a heading\n```\n\n###### deepest")
+    body = ModelCard.load(render_model_card(tmp_path, **CARD_ARGS, repo_id="me/x",
+                                            source_description=description)).text
+    quoted = body[body.index("## The source model's card"):]
+    assert "### Model Card for FLAN-T5 small\n\nInstruction-tuned T5." in quoted
+    assert "#### Usage" in quoted and "```python\n# not a heading\n```" in quoted and "\n###### deepest" in quoted
+    without = ModelCard.load(render_model_card(tmp_path, **CARD_ARGS, repo_id="me/x")).text
+    assert "The source model's card" not in without
+
+
+def test_card_without_a_tokenizer_says_so_and_shows_no_tokenizer(tmp_path):
+    body = ModelCard.load(render_model_card(tmp_path, **CARD_ARGS, repo_id="me/x", has_tokenizer=False,
+                                            vocab_size=32128)).text
+    assert "**This folder has no tokenizer**" in body and "the embeddings have 32128 rows" in body
+    assert "AutoTokenizer" not in body and "tokenizer(" not in body
+    assert 'AutoModelForSeq2SeqLM.from_pretrained("me/x", trust_remote_code=True)' in body
+
+
+def test_card_links_fat5_only_where_the_package_names_its_home(tmp_path, monkeypatch):
+    monkeypatch.setattr(hub, "package_metadata", lambda name: FakeMetadata([]))
+    body = ModelCard.load(render_model_card(tmp_path, **CARD_ARGS, repo_id="me/x")).text
+    assert 'FAT5 ("Flash Attention T5") is a T5-family model package' in body and "[FAT5](" not in body
+    monkeypatch.setattr(hub, "package_metadata", lambda name: FakeMetadata(
+        ["Documentation, https://docs.example/fat5", "Repository, https://git.example/fat5"]))
+    body = ModelCard.load(render_model_card(tmp_path, **CARD_ARGS, repo_id="me/x")).text
+    assert '[FAT5](https://git.example/fat5) ("Flash Attention T5")' in body
+
+
+class FakeMetadata:
+    def __init__(self, urls):
+        self.urls = urls
+
+    def get_all(self, name):
+        return self.urls if name == "Project-URL" else None
+
+
+def test_conversion_keeps_the_source_card_and_task_and_warns_without_a_tokenizer(tmp_path, capsys):
+    """End to end: a tokenizer-less source with a card and task_specific_params."""
+    from convert.flan_to_fat5 import main
+
+    src = make_t5_checkpoint("flan-t5", tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    config["task_specific_params"] = {"translation_en_to_de": {"prefix": "translate English to German: "}}
+    (src / "config.json").write_text(json.dumps(config))
+    (src / "README.md").write_text("---\nlicense: mit\n---\n# A tiny T5\n\nTrained on nothing at all.\n")
+    capsys.readouterr()
+    assert main([str(src), str(tmp_path / "out" / "tiny-fat5")]) == 0
+    captured = capsys.readouterr()
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning:")]
+    assert warnings == [f"warning: {src} has no tokenizer files (tokenizer_config.json or tokenizer.json); "
+                        f"{tmp_path / 'out' / 'tiny-fat5'} has no tokenizer either, and its model card says so "
+                        f"(tokenize with the source model's tokenizer)"]
+    card = ModelCard.load(tmp_path / "out" / "tiny-fat5" / "README.md")
+    assert card.data.license == "mit"
+    assert "### A tiny T5\n\nTrained on nothing at all." in card.text
+    assert "**This folder has no tokenizer**" in card.text and "AutoTokenizer" not in card.text
+    assert 'from_pretrained("tiny-fat5", trust_remote_code=True)' in card.text
+    assert "Largest absolute difference" in card.text and "2 random padded sequences" in card.text
+    # With the tokenizer files, the same source gives the tokenizer example of its own task, and no warning.
+    for name in ("spiece.model", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(DEMO_CHECKPOINT / name, src / name)
+    assert main([str(src), str(tmp_path / "with-tokenizer"), "--no-verify"]) == 0
+    assert "warning:" not in capsys.readouterr().err
+    card = ModelCard.load(tmp_path / "with-tokenizer" / "README.md")
+    assert 'tokenizer("translate English to German: The house is wonderful.", return_tensors="pt")' in card.text
 
 
 def test_custom_pipelines_entry_points_at_the_flat_pipeline_file():

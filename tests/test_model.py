@@ -274,7 +274,8 @@ def test_fresh_model_uses_t5_initialisation():
     assert torch.equal(model.encoder.final_layer_norm.weight, torch.ones(64))
 
 
-@pytest.mark.parametrize("position", ["t5", "alibi", "rope", "rope-flasht5"])
+@pytest.mark.parametrize("position", ["t5", *(pytest.param(position, marks=pytest.mark.slow)
+                                            for position in ("alibi", "rope", "rope-flasht5"))])
 def test_triton_backend_matches_eager_inside_the_model(position, kernel_device):
     """The kernel as the model's backend (interpreted on CPU): logits, gradients and cached generation."""
     model = tiny_model(**POSITION_VARIANTS.get(position, {"position_encoding_type": position}), d_model=64, d_kv=32,

@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -82,7 +83,15 @@ def scratch_run(tmp_path_factory):
 
 def test_from_scratch_loss_falls_and_logs_throughput(scratch_run):
     folder, out = scratch_run
-    assert "batches: packed rows" in (folder / "stdout.txt").read_text()
+    stdout = (folder / "stdout.txt").read_text()
+    assert "batches: packed rows" in stdout
+    # The trained tokenizer's vocabulary, said once with why it is not --tokenizer_vocab_size (100 here): the
+    # tiny grammar's 1500 documents hold fewer pieces.
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    pieces = len(tokenizer) - 100 - 3  # T5's sentinels, the mixture's [R] [S] [X]
+    assert f"vocabulary {len(tokenizer)}: the trained tokenizer has {pieces} pieces, not 100: that is all " \
+           "sentencepiece finds in the 1,500 documents it read" in stdout
+    assert f"vocabulary {len(tokenizer)}; denoisers" in stdout and pieces < 100
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "fat5" and config["z_loss"] == 1e-4 and config["d_model"] == TINY["d_model"]
     history = log_history(out / "checkpoint-40")
@@ -94,6 +103,63 @@ def test_from_scratch_loss_falls_and_logs_throughput(scratch_run):
         assert entry["learning_rate"] > 0
 
 
+def test_logged_throughput_is_the_tokens_trained_on_over_the_wall_time(tmp_path, monkeypatch, one_thread):
+    """Each log's tokens_per_second is the real (unpadded) tokens of the batches trained on since the previous log
+    over the wall time since it, the first interval starting when training begins, not when the trainer is built;
+    tokens_seen adds them up. The tokens are counted as the collator made the batches; the wall time is a clock
+    the test moves: 100 s of set-up after the trainer is built, then 2 s a training step."""
+    from transformers import TrainerCallback
+
+    from fat5.training import pretrain as pretrain_module
+    from fat5.training import trainer as trainer_module
+
+    clock = SimpleNamespace(now=1000.0)
+    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+
+    class StepTakesTwoSeconds(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # before the step's log
+            clock.now += 2.0
+
+    trainers, build = [], trainer_module.PretrainTrainer.__init__
+
+    def built_then_set_up(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        self.add_callback(StepTakesTwoSeconds())
+        trainers.append(self)
+        clock.now += 100.0
+
+    monkeypatch.setattr(trainer_module.PretrainTrainer, "__init__", built_then_set_up)
+    batch_tokens, make_collator = [], pretrain_module.collator
+
+    def counting_collator(*args):
+        collate = make_collator(*args)
+
+        def counted(examples):
+            batch = collate(examples)
+            batch_tokens.append(int(batch["attention_mask"].sum() + batch["decoder_attention_mask"].sum()))
+            return batch
+
+        return counted
+
+    monkeypatch.setattr(pretrain_module, "collator", counting_collator)
+    (tmp_path / "tiny.json").write_text(json.dumps(TINY))
+    assert pretrain_main([str(arg) for arg in (
+        "--config", tmp_path / "tiny.json", "--train_files", write_corpus(tmp_path / "corpus.txt", 40),
+        "--tokenizer", DEMO_CHECKPOINT, "--output_dir", tmp_path / "out", "--max_steps", 6, "--logging_steps", 2,
+        "--per_device_train_batch_size", 4, "--max_input_length", 32, "--max_target_length", 32,
+        "--disable_tqdm", "true", "--dataloader_pin_memory", "false", "--mixture", "t5")]) == 0
+    logs = [entry for entry in trainers[0].state.log_history if "loss" in entry]
+    assert [entry["step"] for entry in logs] == [2, 4, 6]
+    step = seen = 0
+    for entry in logs:
+        # Batch i is trained on at step i + 1 (the DataLoader may collate the next one ahead).
+        trained = sum(batch_tokens[:entry["step"]])
+        assert entry["tokens_seen"] == trained
+        assert entry["tokens_per_second"] == round((trained - seen) / (2.0 * (entry["step"] - step)), 1)
+        step, seen = entry["step"], trained
+
+
+@pytest.mark.slow
 def test_checkpoint_loads_in_a_fresh_process_and_generates(scratch_run):
     _, out = scratch_run
     code = """

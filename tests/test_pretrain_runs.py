@@ -127,6 +127,7 @@ def test_a_finished_run_is_never_replaced_or_continued_by_another(tiny, tmp_path
     assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-2"]
 
 
+@pytest.mark.slow
 def test_two_runs_started_on_one_folder_at_once(tiny, tmp_path):
     out = tmp_path / "run"
     command = [sys.executable, "-m", "fat5.training.pretrain", *tiny_flags(tiny, out, 4)]
@@ -166,6 +167,7 @@ exit_with(lambda: main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 def test_a_checkpoint_killed_while_saved_is_never_resumed(tiny, tmp_path):
     out = tmp_path / "run"
     flags = tiny_flags(tiny, out, 6)
@@ -182,6 +184,7 @@ def test_a_checkpoint_killed_while_saved_is_never_resumed(tiny, tmp_path):
     assert not [path.name for path in tmp_path.iterdir() if ".partial" in path.name]
 
 
+@pytest.mark.slow
 def test_ctrl_c_says_what_the_folder_holds(tiny, tmp_path):
     out = tmp_path / "run"
     process = subprocess.Popen([sys.executable, "-m", "fat5.training.pretrain",
@@ -199,6 +202,7 @@ def test_ctrl_c_says_what_the_folder_holds(tiny, tmp_path):
                         r"checkpoint \(continue with --resume_from_checkpoint latest\)", last), last
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("to_the_group", [True, False], ids=["process-group", "main-process"])
 def test_sigterm_says_what_the_folder_holds(tiny, tmp_path, to_the_group):
     """SIGTERM to the whole process group (a job scheduler, a container stopping), DataLoader workers included, or to
@@ -272,6 +276,7 @@ def test_a_bad_line_deep_in_the_corpus_stops_training_with_one_line(tiny, tmp_pa
         assert line == f"error: {corpus}:4 is not UTF-8 text (byte 0xe9 at column 4); convert the file to UTF-8"
 
 
+@pytest.mark.slow
 def test_a_corpus_too_small_for_one_example(tiny, tmp_path, capsys):
     corpus = tmp_path / "words.txt"
     corpus.write_text("cat\ndog\n")  # one token a document with the demo tokenizer

@@ -183,6 +183,7 @@ def test_translation_bleu_chrf_and_predictions_csv(demo_fat5, data, tmp_path):
     assert [(r["source"], r["reference"]) for r in rows] == [(e["en"], e["xx"]) for e in expected]
 
 
+@pytest.mark.slow
 def test_summarization_rouge_bf16_gradient_checkpointing(demo_fat5, data, tmp_path):
     trainer = run_recipe("summarization", demo_fat5, data, tmp_path / "out", "--bf16", "--use_cpu",
                          "--gradient_checkpointing")
@@ -194,6 +195,7 @@ def test_summarization_rouge_bf16_gradient_checkpointing(demo_fat5, data, tmp_pa
     assert scores["eval_rouge1"] > 0, scores
 
 
+@pytest.mark.slow
 def test_train_then_predict_with_generation_flags(demo_fat5, data, tmp_path):
     trainer = run_recipe("train", demo_fat5, data, tmp_path / "model")
     assert_loss_falls(trainer)
@@ -239,6 +241,7 @@ json.dump({"importable": [m for m in ("fat5", "convert") if importlib.util.find_
     return result["accuracy"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head, task", [("text", "text2text-generation"), ("classifier", "text-classification")])
 def test_classification_both_heads_accuracy_in_fresh_process(demo_fat5, data, tmp_path, head, task):
     trainer = run_recipe(f"classify_{head}", demo_fat5, data, tmp_path / "out")
@@ -256,7 +259,9 @@ def test_classification_both_heads_accuracy_in_fresh_process(demo_fat5, data, tm
     assert accuracy == pytest.approx(test_accuracy)
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
+# translation in the default tier, the other recipes in the slow one.
+@pytest.mark.parametrize("name", [name if name == "translation" else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in RECIPES])
 def test_lora_adapter_and_merged_folder(demo_fat5, data, tmp_path, name):
     out = tmp_path / "out"
     trainer = run_recipe(name, demo_fat5, data, out, "--lora", "--merge_lora", do=("--do_train",))
@@ -280,6 +285,7 @@ def test_lora_adapter_and_merged_folder(demo_fat5, data, tmp_path, name):
     assert (got - expected).abs().max() <= 1e-4 * expected.abs().max()
 
 
+@pytest.mark.slow
 def test_merged_lora_folder_serves_pipeline_in_fresh_process(demo_fat5, data, tmp_path):
     out = tmp_path / "out"
     run_recipe("classify_text", demo_fat5, data, out, "--lora", "--merge_lora", do=("--do_train",))
@@ -407,6 +413,7 @@ def test_the_default_log_fits_a_screen(demo_fat5, data, tmp_path):
     assert len(lines) < 40, text
 
 
+@pytest.mark.slow
 def test_ctrl_c_and_the_run_folder(demo_fat5, data, tmp_path, capsys):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it, data-loader workers included) ends a
     training run with one `interrupted:` line saying what the output folder holds, exit status 130. While it runs,

@@ -353,6 +353,7 @@ embeddings = model.encode(sentences, convert_to_tensor=True)
 json.dump({"auto_model": type(base_model).__name__, "encoder": type(transformer.auto_model).__name__,
            "embeddings": embeddings.tolist()}, open(out, "w"))
 """
+@pytest.mark.slow
 @needs_transformers_5
 def test_sentence_transformers_embeds_with_a_saved_encoder(seq2seq_folder, tmp_path):
     """A folder saved by FAT5EncoderModel maps AutoModel (what sentence-transformers loads) to the encoder; in a

@@ -107,17 +107,22 @@ class Documents:
 def train_sentencepiece(documents, folder, vocab_size, max_documents):
     """Trains a T5-convention unigram sentencepiece model (pad 0, eos 1, unk 2, no bos) on the first
     `max_documents` documents and returns the T5 tokenizer over it, with T5's 100 sentinels
-    (`<extra_id_0>` is the last id). The tokenizer is saved in `folder`."""
+    (`<extra_id_0>` is the last id), and the number of documents read. The tokenizer is saved in `folder`.
+    `vocab_size` is an upper bound (hard_vocab_limit=False): sentencepiece keeps fewer pieces when the documents
+    hold fewer (`sentencepiece_pieces` counts them), rather than failing."""
     import sentencepiece as spm
     from transformers import AutoTokenizer
 
     folder = Path(folder)
     failures = []
+    read = [0]
 
     def sample():
         # sentencepiece turns an error of the iterator into a RuntimeError holding a traceback: keep ours.
         try:
-            yield from itertools.islice(documents, max_documents)
+            for document in itertools.islice(documents, max_documents):
+                read[0] += 1
+                yield document
         except CommandError as error:
             failures.append(error)
 
@@ -142,7 +147,14 @@ def train_sentencepiece(documents, folder, vocab_size, max_documents):
              "legacy": True}))
         AutoTokenizer.from_pretrained(staging.path).save_pretrained(staging.path)
         staging.commit()
-    return AutoTokenizer.from_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder), read[0]
+
+
+def sentencepiece_pieces(folder):
+    """The number of pieces of the sentencepiece model in `folder` (its special pieces included)."""
+    import sentencepiece as spm
+
+    return spm.SentencePieceProcessor(model_file=str(Path(folder) / "spiece.model")).get_piece_size()
 
 
 def add_missing_tokens(tokenizer, prefixes, rows, may_grow):

@@ -40,7 +40,8 @@ class PretrainArguments:
     tokenizer: str = field(default=None, metadata={
         "help": "tokenizer folder (default: the checkpoint's; for a new model, a sentencepiece model is trained "
                 "on the corpus into OUTPUT_DIR/tokenizer, or reused from there)"})
-    tokenizer_vocab_size: int = field(default=32000, metadata={"help": "vocabulary of a trained tokenizer"})
+    tokenizer_vocab_size: int = field(default=32000, metadata={
+        "help": "sentencepiece pieces of a trained tokenizer, at most (a corpus that holds fewer gives fewer)"})
     tokenizer_train_documents: int = field(default=200_000, metadata={
         "help": "documents a tokenizer is trained on (the first ones of the corpus)"})
     resize_embeddings: bool = field(default=False, metadata={

@@ -21,7 +21,7 @@ from fat5.files import (
     pickles_refused,
 )
 
-from .data import DenoisingDataset, Documents, add_missing_tokens, train_sentencepiece
+from .data import DenoisingDataset, Documents, add_missing_tokens, sentencepiece_pieces, train_sentencepiece
 from .denoising import MIXTURES, DenoisingMixture, sentinel_token_ids
 from .flags import HelpFormatter, RunFolderArguments
 from .models import (
@@ -102,17 +102,31 @@ def given_tokenizer(args, prefixes, rows):
 
 
 def trained_tokenizer(args, training_args, documents, prefixes):
-    """A sentencepiece tokenizer trained on the corpus into OUTPUT_DIR/tokenizer, or reused from there."""
+    """A sentencepiece tokenizer trained on the corpus into OUTPUT_DIR/tokenizer, or reused from there; one line
+    says the vocabulary it gives and why (a corpus too small for --tokenizer_vocab_size pieces gives fewer)."""
     trained = Path(training_args.output_dir) / "tokenizer"
+    read = None  # documents the tokenizer was trained on here (None: reused)
     if (trained / "tokenizer_config.json").exists():
         check_model_folder(trained)
         tokenizer = AutoTokenizer.from_pretrained(trained)
     else:
-        print(f"training a {args.tokenizer_vocab_size}-token sentencepiece tokenizer into {trained}")
+        print(f"training a sentencepiece tokenizer of at most {args.tokenizer_vocab_size:,} pieces on the first "
+              f"{args.tokenizer_train_documents:,} documents into {trained}")
         with write_failures_reported(f"the tokenizer {trained}", training_args.output_dir):
-            tokenizer = train_sentencepiece(documents, trained, args.tokenizer_vocab_size,
-                                            args.tokenizer_train_documents)
+            tokenizer, read = train_sentencepiece(documents, trained, args.tokenizer_vocab_size,
+                                                  args.tokenizer_train_documents)
+    pieces = sentencepiece_pieces(trained)
     add_missing_tokens(tokenizer, prefixes, None, True)
+    if read is None:
+        origin = f"the tokenizer in {trained} (this run's) has {pieces:,} pieces"
+    elif pieces < args.tokenizer_vocab_size:
+        origin = (f"the trained tokenizer has {pieces:,} pieces, not {args.tokenizer_vocab_size:,}: that is all "
+                  f"sentencepiece finds in the {read:,} documents it read (--tokenizer_vocab_size is an upper bound; "
+                  f"more text gives more)")
+    else:
+        origin = f"the trained tokenizer has {pieces:,} pieces"
+    if training_args.process_index == 0:
+        print(f"vocabulary {len(tokenizer):,}: {origin}, plus {len(tokenizer) - pieces} sentinel and mode tokens")
     return tokenizer
 
 

@@ -3,7 +3,7 @@ fraction."""
 
 import time
 
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from .packing import PaddingFractionLoggingMixin
 from .run_folder import RunFolderTrainerMixin
@@ -15,17 +15,32 @@ def shard_examples(batches, workers, batch_size):
     return [max(0, (batches - w + workers - 1) // workers) * batch_size for w in range(workers)]
 
 
+class TrainingClock(TrainerCallback):
+    """Starts the trainer's first throughput interval when training begins (after Trainer's set-up: model
+    placement, optimizer, a resumed checkpoint's states), not when the trainer was built."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.since = time.perf_counter()
+
+
 class PretrainTrainer(PaddingFractionLoggingMixin, RunFolderTrainerMixin, Trainer):
-    """Adds `tokens_per_second` (real encoder plus decoder tokens of this process since the previous log) and
-    `padding_fraction` to every training log, both from the one count of the batches the mixin keeps in the
-    training loop (callbacks never see the batches, and the collator may run in DataLoader workers). Checkpoints
-    are written as `RunFolderTrainerMixin` says, and record how many examples of each shard of the stream (one a
-    DataLoader worker) the run has trained on: a resume skips exactly those (`stream_start`), whatever batch size
-    or accumulation it continues with."""
+    """Adds to every training log `tokens_seen` (real encoder plus decoder tokens, padding excluded, this process
+    has trained on since training began), `tokens_per_second` (those of the batches trained on since the previous
+    log, over the wall time since it: the first interval starts when training begins, data loading always
+    included) and `padding_fraction`, all from the one count of the batches the mixin keeps in the training loop
+    (callbacks never see the batches, and the collator may run in DataLoader workers). Checkpoints are written as
+    `RunFolderTrainerMixin` says, and record how many examples of each shard of the stream (one a DataLoader
+    worker) the run has trained on: a resume skips exactly those (`stream_start`), whatever batch size or
+    accumulation it continues with."""
 
     def __init__(self, *args, stream_start=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.since = time.perf_counter()
+        self.since = None  # set by TrainingClock when training begins
+        self.tokens_seen = 0
+        self.add_callback(TrainingClock(self))
         # (step, examples of each shard trained on at that step) where this process started reading the stream.
         self.stream_start = stream_start or (0, [0] * max(1, self.args.dataloader_num_workers))
 
@@ -42,8 +57,10 @@ class PretrainTrainer(PaddingFractionLoggingMixin, RunFolderTrainerMixin, Traine
 
     def log(self, logs, *args, **kwargs):
         tracker = getattr(self, "padding_tracker", None)
-        if "loss" in logs and tracker is not None:
+        if "loss" in logs and tracker is not None and self.since is not None:
             now = time.perf_counter()
+            self.tokens_seen += tracker.real_tokens
+            logs["tokens_seen"] = self.tokens_seen
             logs["tokens_per_second"] = round(tracker.real_tokens / max(now - self.since, 1e-9), 1)
             self.since = now
         super().log(logs, *args, **kwargs)  # the mixin adds padding_fraction and resets the count

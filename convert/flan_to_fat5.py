@@ -126,11 +126,11 @@ def convert(args, progress, argv=None):
     from convert.checkpoint import plan_conversion, read_config
     from convert.demo import DEMO_CHECKPOINT
     from convert.export import export, parse_size
-    from fat5.files import TOKENIZER_FILES, holds_tokenizer
     from convert.flasht5 import MODEL_TYPE as FLASHT5
     from convert.flasht5 import plan_flasht5_conversion
     from convert.hub import check_push_access, push_to_hub
     from convert.safety import AtomicOutput
+    from fat5.files import TOKENIZER_FILES, holds_tokenizer
 
     src, out = (str(DEMO_CHECKPOINT), DEMO_OUTPUT) if demo else (args.src, Path(args.out))
     parse_size(args.max_shard_size)

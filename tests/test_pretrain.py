@@ -110,7 +110,7 @@ def test_logged_throughput_is_the_tokens_trained_on_over_the_wall_time(tmp_path,
     the test moves: 100 s of set-up after the trainer is built, then 2 s a training step."""
     from transformers import TrainerCallback
 
-    from fat5.training import pretrain as pretrain_module
+    from fat5.training import pretraining as pretrain_module
     from fat5.training import trainer as trainer_module
 
     clock = SimpleNamespace(now=1000.0)

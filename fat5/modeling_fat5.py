@@ -447,7 +447,6 @@ class FAT5PreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     # Every class, and generate's decode step with a static cache, traces as one graph (tests/test_compile.py).
     _can_compile_fullgraph = True
-    _keys_to_ignore_on_load_unexpected = [r"encoder\.embed_tokens\.weight", r"decoder\.embed_tokens\.weight"]
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -482,6 +481,22 @@ class FAT5PreTrainedModel(PreTrainedModel):
         if push_to_hub:
             repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.normpath(save_directory)))
             return self.push_to_hub(repo_id, **hub_kwargs)
+
+    def tie_weights(self, *args, **kwargs):
+        """transformers' tying (the LM head when config.tie_word_embeddings), then the stacks' embeddings, which
+        are `shared` whatever the config says (transformers 4.57 ties by Parameter identity after a load)."""
+        super().tie_weights(*args, **kwargs)
+        _tie_stack_embeddings(self)
+
+    def get_expanded_tied_weights_keys(self, all_submodels=False):
+        """transformers 5 ties, saves once, offloads and device-maps tied weights from this mapping, and ties
+        nothing when config.tie_word_embeddings is false. The stacks' embeddings are always `shared` (only the LM
+        head follows the flag), so they are always listed. (transformers 4.57 does not call this.)"""
+        tied = super().get_expanded_tied_weights_keys(all_submodels=all_submodels)
+        if not all_submodels:
+            tied.update({name: "shared.weight" for name in _stack_embedding_names(self)
+                         if name in (self._tied_weights_keys or {})})
+        return tied
 
     def _output(self, output, return_dict):
         """return_dict=False (or config.return_dict=False) gives the tuple of the fields that are set, as
@@ -674,36 +689,77 @@ class FAT5Stack(FAT5PreTrainedModel):
 
 
 STACK_NAMES = ("encoder", "decoder")
+STACK_EMBEDDINGS_TIED = {f"{name}.embed_tokens.weight": "shared.weight" for name in STACK_NAMES}
 
 
-def _stack_embedding_aliases(model, prefix=""):
-    """State-dict names of stack embeddings that are the model's `shared` embedding."""
-    return [f"{prefix}{name}.embed_tokens.weight" for name in STACK_NAMES
-            if getattr(getattr(model, name, None), "embed_tokens", None) is model.shared]
+def _stack_embedding_names(model):
+    """State-dict names of the stacks' embeddings, which are `shared.weight` under other names (as in T5)."""
+    return [f"{name}.embed_tokens.weight" for name in STACK_NAMES
+            if getattr(getattr(model, name, None), "embed_tokens", None) is not None]
 
 
-def _drop_embedding_aliases(model, state_dict, prefix, local_metadata):
-    for alias in _stack_embedding_aliases(model, prefix):
-        state_dict.pop(alias, None)
+def _tie_stack_embeddings(model):
+    """Make every stack's embedding alias hold `model.shared`'s weight Parameter again (a load, `to_empty` or a
+    plain `load_state_dict(..., assign=True)` may have given each name its own). A stack whose `embed_tokens` is
+    another module (the model's own `shared` after `set_input_embeddings`, PEFT's wrapper, a user's) is left
+    alone."""
+    shared = getattr(model, "shared", None)
+    if not isinstance(shared, nn.Embedding):
+        return
+    for name in STACK_NAMES:
+        embedding = getattr(getattr(model, name, None), "embed_tokens", None)
+        if isinstance(embedding, SharedEmbeddingAlias):
+            embedding.point_to(shared)
 
 
 def _fill_embedding_aliases(model, state_dict, prefix, *args):
+    """A state dict that names the embedding once (`shared.weight`, as every FAT5 and T5 checkpoint file does, and
+    FAT5's own state dicts before the stacks' names appeared in them) loads strictly: the stacks' names are filled
+    from it."""
     shared = state_dict.get(f"{prefix}shared.weight")
-    for alias in _stack_embedding_aliases(model, prefix):
-        if shared is not None:
-            state_dict.setdefault(alias, shared)
+    if shared is not None:
+        for alias in _stack_embedding_names(model):
+            state_dict.setdefault(f"{prefix}{alias}", shared)
+
+
+def _retie_after_load(model, incompatible_keys):
+    # load_state_dict(..., assign=True) gives each name its own Parameter: tie them again.
+    _tie_stack_embeddings(model)
+
+
+class SharedEmbeddingAlias(nn.Embedding):
+    """A stack's `embed_tokens`: T5's name for the model's shared embedding, a module of its own (as in transformers
+    5's T5) whose weight is `shared`'s Parameter (no memory of its own). Its lookups run through the `shared`
+    module itself, so whatever hooks `model.get_input_embeddings()` (NEFTune, transformers 4.57's
+    `enable_input_require_grads`, accelerate's offload of `shared`) sees every stack's lookups."""
+
+    def __init__(self, shared):
+        # _weight: no tensor of its own is allocated (the meta device or a billion-parameter vocabulary alike).
+        super().__init__(shared.num_embeddings, shared.embedding_dim, padding_idx=shared.padding_idx,
+                         _weight=shared.weight)
+        self.init_std = getattr(shared, "init_std", 1.0)
+        self.point_to(shared)
+
+    def point_to(self, shared):
+        self.weight = shared.weight
+        # A plain attribute, not a submodule: the embedding appears once in the module tree under `shared`.
+        object.__setattr__(self, "shared", shared)
+
+    def forward(self, input_ids):
+        return self.shared(input_ids)
 
 
 def share_embedding(model, config, stack_names):
-    """Build `model.shared` and the stacks named in `stack_names`, each owning that one embedding as its
-    `embed_tokens` (tracing, exports and `.to()` of a stack alone need it as a submodule). It stays one tensor:
-    the model's state dict names it once, `shared.weight`, as T5 checkpoints do (so saved files and loading are
-    unchanged), and a load fills the stacks' names from it."""
+    """Build `model.shared` and the stacks named in `stack_names`, as transformers' T5 does: each stack owns an
+    `embed_tokens` module (tracing, exports and `.to()` of a stack alone need it as a submodule; PEFT's
+    `target_modules=["embed_tokens"]` finds both) whose weight is `shared`'s one Parameter. `state_dict()` names
+    it under all three names, as T5's does (accelerate's offload hooks look each name up); saved files keep one
+    copy, `shared.weight` (`_tied_weights_keys`), and a load fills the other names from it."""
     model.shared = t5_embedding(config.vocab_size, config.d_model, init_std=1.0)
     for name in stack_names:
-        setattr(model, name, FAT5Stack(config, model.shared, is_decoder=name == "decoder"))
-    model.register_state_dict_post_hook(_drop_embedding_aliases)
+        setattr(model, name, FAT5Stack(config, SharedEmbeddingAlias(model.shared), is_decoder=name == "decoder"))
     model.register_load_state_dict_pre_hook(_fill_embedding_aliases)
+    model.register_load_state_dict_post_hook(_retie_after_load)
 
 
 def get_own_encoder(self):
@@ -750,6 +806,8 @@ class FAT5EncoderDecoderMixin:
 
 
 class FAT5Model(FAT5EncoderDecoderMixin, FAT5PreTrainedModel):
+    _tied_weights_keys = dict(STACK_EMBEDDINGS_TIED)
+
     def __init__(self, config: FAT5Config):
         super().__init__(config)
         self._build_encoder_decoder(config)
@@ -777,7 +835,8 @@ class FAT5Model(FAT5EncoderDecoderMixin, FAT5PreTrainedModel):
 
 
 class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "shared.weight"}
+    # As T5's; the LM head is tied only when config.tie_word_embeddings is true (the stacks' embeddings always).
+    _tied_weights_keys = {**STACK_EMBEDDINGS_TIED, "lm_head.weight": "shared.weight"}
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
@@ -860,7 +919,8 @@ class FAT5EncoderMixin:
     if not HAS_GENERIC_GET_ENCODER:
         get_encoder = get_own_encoder
 
-    _keys_to_ignore_on_load_unexpected = [r"decoder\.", r"lm_head\.", r"encoder\.embed_tokens\.weight"]
+    _keys_to_ignore_on_load_unexpected = [r"decoder\.", r"lm_head\."]
+    _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
 
     def __init__(self, config):
         # As T5's encoder-only classes do, the model's config says it is no encoder-decoder and keeps no cache

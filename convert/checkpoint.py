@@ -279,7 +279,8 @@ def t5_config_from_fat5(fat5_config, model_type, tied):
     fields = carried_fields(fat5_config, model_type)
     defaults = FAT5Config(dropout_rate=config.dropout_rate)  # attention dropout defaults to dropout_rate
     for name in FAT5_SETTINGS:
-        if name in fields and fields[name] == getattr(defaults, name):
+        # (null: a setting left to its default, such as attention_dropout_rate's dropout_rate)
+        if name in fields and fields[name] in (None, getattr(defaults, name)):
             del fields[name]
     scale = config.scale_decoder_outputs
     fields.update(model_type=model_type, architectures=[ARCHITECTURES[model_type]], tie_word_embeddings=tied,

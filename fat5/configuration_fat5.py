@@ -42,8 +42,10 @@ _RULES = (
       "relative_attention_max_distance", "fire_mlp_width"), lambda value: _integer(value) and value > 0,
      "a positive integer"),
     (("num_layers", "num_decoder_layers"), lambda value: _integer(value) and value >= 0, "a non-negative integer"),
-    (("dropout_rate", "attention_dropout_rate", "classifier_dropout", "label_smoothing"),
-     lambda value: _number(value) and 0 <= value < 1, "a number in [0, 1)"),
+    (("dropout_rate", "classifier_dropout", "label_smoothing"), lambda value: _number(value) and 0 <= value < 1,
+     "a number in [0, 1)"),
+    (("attention_dropout_rate",), lambda value: value is None or (_number(value) and 0 <= value < 1),
+     "a number in [0, 1), or null for dropout_rate's value"),
     (("layer_norm_epsilon", "initializer_factor", "attention_scale", "rope_theta", "fire_init_c",
       "fire_init_threshold"), lambda value: _number(value) and value > 0, "a finite number > 0"),
     (("z_loss",), lambda value: _number(value) and value >= 0, "a finite number >= 0"),
@@ -81,9 +83,12 @@ class FAT5Config(PretrainedConfig):
     attention_scale (`float`, defaults to 1.0):
         Scale of the q·k product. T5 folds 1/sqrt(d_kv) into its initialisation, so it uses 1.0.
     attention_dropout_rate (`float`, *optional*):
-        Dropout on attention probabilities; defaults to `dropout_rate` as in T5 (0.1 in Google's checkpoints, so
-        in a converted FLAN-T5). Every backend applies it in training, the Triton kernel included: it drops
-        probabilities in-kernel with a Philox generator seeded from torch's, scaled by 1 / (1 - p) as T5 does.
+        Dropout on attention probabilities. Unset (or null), it is `dropout_rate`, read whenever it is used, as in
+        T5, whose `dropout_rate` is its attention dropout too: `from_pretrained(folder, dropout_rate=0.0)` turns
+        every dropout off unless `attention_dropout_rate` is given as well. Saved only when set. A config.json
+        value equal to its `dropout_rate` (what converters before this rule wrote for every folder) reads as unset.
+        Every backend applies it in training, the Triton kernel included: it drops probabilities in-kernel with a
+        Philox generator seeded from torch's, scaled by 1 / (1 - p) as T5 does.
     attention_backend (`str`, defaults to `"auto"`):
         `"auto"` uses the Triton kernel for CUDA tensors when Triton is installed and SDPA otherwise;
         `"eager"`, `"sdpa"` or `"triton"` force one.
@@ -158,7 +163,7 @@ class FAT5Config(PretrainedConfig):
         self.relative_attention_num_buckets = relative_attention_num_buckets
         self.relative_attention_max_distance = relative_attention_max_distance
         self.dropout_rate = dropout_rate
-        self.attention_dropout_rate = dropout_rate if attention_dropout_rate is None else attention_dropout_rate
+        self.attention_dropout_rate = attention_dropout_rate
         self.classifier_dropout = classifier_dropout
         self.layer_norm_epsilon = layer_norm_epsilon
         self.initializer_factor = initializer_factor
@@ -208,6 +213,32 @@ class FAT5Config(PretrainedConfig):
             if not valid:
                 raise ValueError(f"FAT5Config.{name}: {value!r} is not {description}")
         super().__setattr__(key, value)
+
+    @property
+    def attention_dropout_rate(self):
+        explicit = self.__dict__.get("attention_dropout_rate")
+        return self.dropout_rate if explicit is None else explicit
+
+    @attention_dropout_rate.setter
+    def attention_dropout_rate(self, value):
+        # Stored under its own name (None when unset), so to_dict and config.json say whether it was set.
+        self.__dict__["attention_dropout_rate"] = value
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """transformers' from_dict, reading an `attention_dropout_rate` equal to `dropout_rate` as unset: earlier
+        converters and saves wrote the derived value into every config.json, and a later `dropout_rate` override
+        must still reach attention (see the class docstring)."""
+        if config_dict.get("attention_dropout_rate") == config_dict.get("dropout_rate", 0.1):
+            config_dict = {**config_dict, "attention_dropout_rate": None}
+        return super().from_dict(config_dict, **kwargs)
+
+    def to_diff_dict(self):
+        """transformers' to_diff_dict (what save_pretrained writes), without derived fields left unset."""
+        diff = super().to_diff_dict()
+        if self.__dict__.get("attention_dropout_rate") is None:
+            diff.pop("attention_dropout_rate", None)
+        return diff
 
     def get_text_config(self, decoder=None, encoder=None):
         """transformers sizes generation caches from `get_text_config(decoder=True).num_hidden_layers`, which is

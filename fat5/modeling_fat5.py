@@ -28,6 +28,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
+from transformers.utils import DUMMY_INPUTS, DUMMY_MASK
 
 from .attention_fat5 import (
     PackedSegments,
@@ -40,8 +41,10 @@ from .attention_fat5 import (
 from .compat_fat5 import (
     HAS_GENERIC_GET_ENCODER,
     cache_field,
+    check_keywords,
     either_cache,
     init,
+    match_t5_signature,
     output_cache,
     static_cache_max_length,
 )
@@ -448,6 +451,12 @@ class FAT5PreTrainedModel(PreTrainedModel):
     # Every class, and generate's decode step with a static cache, traces as one graph (tests/test_compile.py).
     _can_compile_fullgraph = True
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "forward" in vars(cls):
+            # Arguments as transformers' T5 on the installed release takes them (compat_fat5.match_t5_signature).
+            match_t5_signature(cls.forward)
+
     @torch.no_grad()
     def _init_weights(self, module):
         """T5's initialisation (Mesh TensorFlow). Each module initialises only its own parameters: for remote
@@ -603,10 +612,12 @@ class FAT5Stack(FAT5PreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 inputs_embeds=None, cache=None, use_cache=None, output_hidden_states=None,
                 output_attentions=None, return_dict=None, segment_ids=None, encoder_segment_ids=None,
-                past_key_values=None, **kwargs):
+                past_key_values=None, cache_position=None, **kwargs):
         """Arguments left as None take the config's values (`output_attentions`, `output_hidden_states`,
         `return_dict`, and for the decoder `use_cache`), as transformers' T5 stacks do. The cache comes as `cache`
-        or `past_key_values` (`compat_fat5.either_cache`)."""
+        or `past_key_values` (`compat_fat5.either_cache`). `cache_position`, which transformers 4.x's generate
+        passes, is not needed: positions are counted from the cache."""
+        check_keywords(self, kwargs)
         cache = either_cache(cache, past_key_values)
         config = self.config
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
@@ -775,6 +786,13 @@ class FAT5EncoderDecoderMixin:
     def _build_encoder_decoder(self, config):
         share_embedding(self, config, STACK_NAMES)
 
+    @property
+    def dummy_inputs(self):
+        """transformers' dummy batch with decoder inputs, as T5's: `model(**model.dummy_inputs)` runs."""
+        input_ids = torch.tensor(DUMMY_INPUTS)
+        return {"input_ids": input_ids, "decoder_input_ids": input_ids,
+                "decoder_attention_mask": torch.tensor(DUMMY_MASK)}
+
     def get_input_embeddings(self):
         return self.shared
 
@@ -816,7 +834,8 @@ class FAT5Model(FAT5EncoderDecoderMixin, FAT5PreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, cache=None, inputs_embeds=None, decoder_inputs_embeds=None,
                 use_cache=None, output_hidden_states=None, return_dict=None, output_attentions=None, segment_ids=None,
-                decoder_segment_ids=None, past_key_values=None, **kwargs):
+                decoder_segment_ids=None, past_key_values=None, cache_position=None, **kwargs):
+        check_keywords(self, kwargs)
         encoder_outputs, decoder_outputs = self._encode_and_decode(
             input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
             either_cache(cache, past_key_values), inputs_embeds, decoder_inputs_embeds, use_cache,
@@ -837,6 +856,9 @@ class FAT5Model(FAT5EncoderDecoderMixin, FAT5PreTrainedModel):
 class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel, GenerationMixin):
     # As T5's; the LM head is tied only when config.tie_word_embeddings is true (the stacks' embeddings always).
     _tied_weights_keys = {**STACK_EMBEDDINGS_TIED, "lm_head.weight": "shared.weight"}
+    # The Trainer passes num_items_in_batch (the label tokens of the whole accumulated batch) to the loss. Said
+    # here, not read from forward's **kwargs, which transformers 4.57 does not see (compat_fat5.match_t5_signature).
+    accepts_loss_kwargs = True
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
@@ -854,12 +876,14 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, cache=None, inputs_embeds=None, decoder_inputs_embeds=None,
                 labels=None, use_cache=None, output_hidden_states=None, return_dict=None, num_items_in_batch=None,
-                output_attentions=None, segment_ids=None, decoder_segment_ids=None, past_key_values=None, **kwargs):
+                output_attentions=None, segment_ids=None, decoder_segment_ids=None, past_key_values=None,
+                cache_position=None, **kwargs):
         """Packed batches (several examples per row, see `fat5.training.packing`) pass `segment_ids` (B, L_enc)
         and `decoder_segment_ids` (B, L_dec): 1, 2, ... numbers a row's examples, 0 is padding. Each example then
         attends only to itself (decoder segment s to encoder segment s), positions restart at every segment, and
         the loss stays the mean over the batch's label tokens, i.e. the sum of every example's token losses over
         the number of label tokens."""
+        check_keywords(self, kwargs)
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self._shift_right(labels, decoder_segment_ids)
         encoder_outputs, decoder_outputs = self._encode_and_decode(
@@ -958,6 +982,7 @@ class FAT5EncoderModel(FAT5EncoderMixin, FAT5PreTrainedModel):
                 return_dict=None, output_attentions=None, segment_ids=None, **kwargs):
         """`segment_ids` (B, L): packed rows, 1, 2, ... per example and 0 for padding; examples do not see
         each other and positions restart at each."""
+        check_keywords(self, kwargs)
         outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions,
                                segment_ids)
         return self._output(BaseModelOutput(last_hidden_state=outputs.last_hidden_state,
@@ -966,7 +991,7 @@ class FAT5EncoderModel(FAT5EncoderMixin, FAT5PreTrainedModel):
 
 
 def _reject_segment_ids(kwargs, class_name):
-    if kwargs.get("segment_ids") is not None:
+    if kwargs.pop("segment_ids", None) is not None:
         raise ValueError(f"{class_name} takes one example per row: packed batches (segment_ids) are not supported")
 
 
@@ -1000,6 +1025,7 @@ class FAT5ForSequenceClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
                 output_hidden_states=None, return_dict=None, output_attentions=None, **kwargs):
         _reject_segment_ids(kwargs, "FAT5ForSequenceClassification")
+        check_keywords(self, kwargs)
         outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions)
         hidden = outputs.last_hidden_state
         if attention_mask is None:
@@ -1018,6 +1044,7 @@ class FAT5ForSequenceClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
 
 
 class FAT5ForTokenClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
+    accepts_loss_kwargs = True  # num_items_in_batch, as FAT5ForConditionalGeneration's
     def __init__(self, config: FAT5Config):
         super().__init__(config)
         self._build_encoder()
@@ -1030,6 +1057,7 @@ class FAT5ForTokenClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
                 num_items_in_batch=None, **kwargs):
         """`num_items_in_batch` (from the Trainer): labelled tokens in the whole accumulated batch, so gradient
         accumulation weighs every token alike however the tokens fall into micro-batches."""
+        check_keywords(self, kwargs)
         outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions,
                                segment_ids)
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
@@ -1054,6 +1082,7 @@ class FAT5ForQuestionAnswering(FAT5EncoderMixin, FAT5PreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, start_positions=None,
                 end_positions=None, output_hidden_states=None, return_dict=None, output_attentions=None, **kwargs):
         _reject_segment_ids(kwargs, "FAT5ForQuestionAnswering")
+        check_keywords(self, kwargs)
         outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions)
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).float().unbind(dim=-1)
         # Positions outside the sequence are ignored, as in transformers' QA heads.

@@ -6,6 +6,8 @@ import math
 from transformers import PretrainedConfig
 
 from .compat_fat5 import CACHE_NAME, warn_if_untested
+from .integrations_fat5 import register_with_imported_libraries
+from .pickling_fat5 import reduce_keeping_code_importable, shallow_copy
 
 POSITION_ENCODING_TYPES = ("t5", "rope", "alibi", "fire", "none")
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "triton")
@@ -199,6 +201,16 @@ class FAT5Config(PretrainedConfig):
         self.tie_word_embeddings = tie_word_embeddings
         self._validate_fat5()
         warn_if_untested()
+        # sentence-transformers, optimum and CTranslate2, when imported, learn FAT5 here: they read the config
+        # first, then look the class up in their tables.
+        register_with_imported_libraries(type(self))
+
+    def __reduce_ex__(self, protocol):
+        # Loaded with trust_remote_code, the config unpickles in a fresh process too (see pickling_fat5).
+        return reduce_keeping_code_importable(self, super().__reduce_ex__(protocol))
+
+    def __copy__(self):
+        return shallow_copy(self)
 
     def __setattr__(self, key, value):
         # Checked on every assignment, so `from_pretrained(..., dropout_rate=...)` (which sets attributes after

@@ -51,6 +51,7 @@ from .compat_fat5 import (
 from .configuration_fat5 import FAT5Config
 from .loss_fat5 import linear_cross_entropy, seq2seq_lm_loss
 from .peft_fat5 import register_fat5_with_peft
+from .pickling_fat5 import reduce_keeping_code_importable, shallow_copy
 from .reference_fat5 import relative_positions, t5_rms_norm
 from .remote_code_fat5 import mark_as_package, save_as_package
 
@@ -197,9 +198,12 @@ class FAT5Attention(nn.Module):
         self.is_cross_attention = is_cross_attention
         self.has_relative_attention_bias = has_relative_attention_bias
         self.layer_idx = layer_idx
+        # T5Attention's attribute names, which tools that read T5's modules use (CTranslate2's T5 loader).
         self.n_heads = config.num_heads
         self.key_value_proj_dim = config.d_kv
         self.inner_dim = config.num_heads * config.d_kv
+        self.relative_attention_num_buckets = config.relative_attention_num_buckets
+        self.relative_attention_max_distance = config.relative_attention_max_distance
         # T5 folds the 1/sqrt(d_kv) attention scale into q's initialisation.
         self.q = t5_linear(config.d_model, self.inner_dim, init_std=(config.d_model * config.d_kv) ** -0.5)
         self.k = t5_linear(config.d_model, self.inner_dim, init_std=config.d_model**-0.5)
@@ -490,6 +494,13 @@ class FAT5PreTrainedModel(PreTrainedModel):
         if push_to_hub:
             repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.normpath(save_directory)))
             return self.push_to_hub(repo_id, **hub_kwargs)
+
+    def __reduce_ex__(self, protocol):
+        # A model loaded with trust_remote_code unpickles in a fresh process too (as T5's classes do).
+        return reduce_keeping_code_importable(self, super().__reduce_ex__(protocol))
+
+    def __copy__(self):
+        return shallow_copy(self)
 
     def tie_weights(self, *args, **kwargs):
         """transformers' tying (the LM head when config.tie_word_embeddings), then the stacks' embeddings, which

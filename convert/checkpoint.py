@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from convert.cli import CommandError, error_line
-from convert.files import pickle_refusal, read_json_object, refused_pickle
+from fat5.cli import CommandError, error_line
 from fat5.compat_fat5 import release
 from fat5.configuration_fat5 import FAT5Config
+from fat5.files import pickle_refusal, read_json_object, refused_pickle
 from fat5.modeling_fat5 import FAT5ForConditionalGeneration
 
 SUPPORTED_MODEL_TYPES = ("t5", "mt5", "umt5")
@@ -51,10 +51,11 @@ DERIVED_FIELDS = ("model_type", "architectures", "transformers_version", "auto_m
 # the way back carries those that differ from FAT5's defaults as extra keys, which transformers keeps.
 FAT5_SETTINGS = ("attention_dropout_rate", "attention_backend", "z_loss", "label_smoothing",
                  "return_logits_in_training", "lm_loss_implementation", "rope_theta", "fire_mlp_width",
-                 "fire_init_c", "fire_init_threshold")
+                 "fire_init_c", "fire_init_threshold", "alibi_mode", "partial_rotary_factor", "rope_interleaved",
+                 "rope_cross_attention", "rope_rotates_values", "fire_normalizer_offset", "fire_normalizer_eps")
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-# Copies of shared.weight that transformers' T5 state dicts hold (FAT5's does not).
+# Copies of shared.weight that T5 and FAT5 state dicts name (their saved files hold shared.weight alone).
 EMBEDDING_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 # transformers' T5 never uses this table (cross-attention has no position bias) and ignores it on load.
 UNUSED_SOURCE_TENSORS = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",)
@@ -186,6 +187,8 @@ class ConversionPlan:
     redundant: dict = field(default_factory=dict)  # source copy -> the source tensor it must equal
     ignored: list = field(default_factory=list)  # source tensors T5 itself never uses
     shapes: dict = field(default_factory=dict)  # target name -> shape
+    # (folder, dtype) -> the source model the parity proof compares with; None: transformers' (load_source_model)
+    load_reference: object = None
 
 
 def rescale_rule(model_type, writer_version):
@@ -244,7 +247,9 @@ def fat5_config_from_t5(source_config, lm_head_tied):
     model_type = source_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConversionError(f"unsupported model_type {model_type!r}: supported are "
-                              f"{', '.join(SUPPORTED_MODEL_TYPES)} (FLAN-T5, T5 v1.1 and ByT5 are model_type t5)")
+                              f"{', '.join(SUPPORTED_MODEL_TYPES)} (FLAN-T5, T5 v1.1 and ByT5 are model_type t5); "
+                              "python -m convert.flan_to_fat5 also converts flash_t5 (flashT5's layout, CATIE-AQ's "
+                              "FAT5 models)")
     try:
         return FAT5Config(
             **carried_fields(source_config, model_type),

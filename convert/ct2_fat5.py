@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from convert.cli import CheckFailed, CliParser, CommandError, error_line, exit_with, run
+from fat5.cli import CheckFailed, CliParser, CommandError, error_line, exit_with, require, run
 
 SAMPLE_TOKENS = 8  # decoded greedily by both, from a fixed sample of the vocabulary
 
@@ -35,8 +35,8 @@ def build_parser():
 
 def check_convertible(folder):
     """The folder's FAT5Config; one line for a folder that is not a FAT5 model CTranslate2's T5 loader takes."""
-    from convert.files import check_model_folder, read_json_object
     from fat5 import FAT5Config
+    from fat5.files import check_model_folder, read_json_object
     from fat5.integrations_fat5 import t5_computation_problem
 
     folder = Path(folder)
@@ -82,17 +82,17 @@ def verify_tokens(folder, out, config):
 
 def convert(args, progress):
     from convert.export import TOKENIZER_FILES
-    from convert.safety import AtomicOutput, write_failures_reported
+    from convert.safety import AtomicOutput
+    from fat5.cli import write_failures_reported
 
     folder, out = Path(args.folder), Path(args.out)
     if not folder.is_dir():
         raise CommandError(f"FOLDER {folder} is not a directory")
+    require("ct2", "ctranslate2")
     config = check_convertible(folder)
-    try:
-        import ctranslate2
-    except ImportError as error:
-        raise CommandError(f"ctranslate2 cannot be imported ({error}): pip install \"fat5[ct2]\"") from error
-    output = AtomicOutput(folder, out, overwrite=args.overwrite)
+    import ctranslate2
+
+    output = AtomicOutput(folder, out, overwrite=args.overwrite, what="CTranslate2 conversion")
     progress.describe = output.describe
     tokenizer_files = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
     converter = ctranslate2.converters.TransformersConverter(str(folder), trust_remote_code=True,
@@ -107,11 +107,11 @@ def convert(args, progress):
             compared = verify_tokens(folder, staging, config)
             print(f"Check: CTranslate2 decodes a sample to PyTorch's {compared} greedy tokens")
         output.commit()
-    print(f"Wrote {out}: load it with ctranslate2.Translator(OUT)")
+    print(f"Wrote {out}: {output.describe()}; load it with ctranslate2.Translator(OUT)")
 
 
 def main(argv=None):
-    return run(lambda argv, progress: convert(build_parser().parse_args(argv), progress), argv)
+    return run(lambda argv, progress: convert(build_parser().parse_args(argv), progress), argv, extra="ct2")
 
 
 if __name__ == "__main__":

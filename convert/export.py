@@ -13,11 +13,10 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PretrainedConfig
 
 from convert.checkpoint import SAFETENSORS_DTYPES, iter_converted_tensors
-from convert.cli import CommandError, error_line
-from convert.files import check_model_folder, read_text
 from convert.hub import render_model_card
 from convert.parity import verify_parity
-from convert.safety import write_failures_reported
+from fat5.cli import CommandError, error_line, write_failures_reported
+from fat5.files import check_model_folder, read_text
 from fat5.remote_code_fat5 import mark_as_package, write_remote_code
 
 TOKENIZER_FILES = ("spiece.model", "sentencepiece.bpe.model", "tokenizer.json", "tokenizer_config.json",
@@ -186,7 +185,8 @@ def export(plan, source_folder, output, *, dtype=None, attention_backend="auto",
             export_config(plan, staging, dtype, attention_backend)
             copy_side_files(source_folder, staging, plan.source_config)
             write_remote_code(staging)
-        difference, sample = verify_parity(source_folder, staging, dtype) if verify else (None, None)
+        difference, sample = verify_parity(source_folder, staging, dtype, plan.load_reference) if verify \
+            else (None, None)
         with write_failures_reported(output.out, staging.parent):
             render_model_card(staging, **card, parity_max_abs_diff=difference, parity_sample=sample)
         output.commit()

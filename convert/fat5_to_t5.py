@@ -11,7 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
-from convert.cli import CliParser, CommandError, add_output_arguments, exit_with, run
+from convert.cli import add_output_arguments
+from fat5.cli import CliParser, CommandError, exit_with, run
 
 MODEL_TYPES = ("t5", "mt5", "umt5")
 
@@ -33,7 +34,8 @@ def convert(args, progress):
     from convert.checkpoint import plan_back_conversion
     from convert.export import copy_side_files, parse_size, validate_side_files, write_safetensors_streaming
     from convert.parity import verify_back_parity
-    from convert.safety import AtomicOutput, write_failures_reported
+    from convert.safety import AtomicOutput
+    from fat5.cli import write_failures_reported
 
     src, out = Path(args.src), Path(args.out)
     if not src.is_dir():

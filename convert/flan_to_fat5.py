@@ -1,4 +1,5 @@
-"""Convert a T5 / FLAN-T5 / mT5 / umT5 / ByT5 checkpoint into a self-contained FAT5 Hub folder.
+"""Convert a T5 / FLAN-T5 / mT5 / umT5 / ByT5 checkpoint, or a flashT5 one (CATIE-AQ's FAT5 models, config.json
+model_type flash_t5), into a self-contained FAT5 Hub folder.
 
     python -m convert.flan_to_fat5 SRC OUT [options]   # SRC: a local folder or a Hub model id
     python -m convert.flan_to_fat5                     # demo: converts the bundled tiny T5 and runs it
@@ -14,7 +15,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from convert.cli import CheckFailed, CliParser, CommandError, add_output_arguments, error_line, exit_with, run
+from convert.cli import add_output_arguments
+from fat5.cli import CheckFailed, CliParser, CommandError, error_line, exit_with, run
 
 # Heavy modules (torch, transformers) are imported inside `convert`, where Ctrl-C is handled.
 DTYPES = ("bfloat16", "float16", "float32")
@@ -32,7 +34,7 @@ def build_parser():
                               "text2text pipeline on a few prompts.")
     parser.add_argument("src", nargs="?", metavar="SRC",
                         help="local checkpoint folder (config.json + safetensors or pytorch_model.bin, single or "
-                             "sharded) or a Hub model id such as google/flan-t5-small")
+                             "sharded) or a Hub model id such as google/flan-t5-small or CATIE-AQ/FAT5-small-flan-en")
     parser.add_argument("out", nargs="?", metavar="OUT",
                         help="output folder (created; must be empty or absent, and outside SRC)")
     parser.add_argument("--dtype", choices=DTYPES, help="store the weights in this dtype (default: the source's)")
@@ -87,7 +89,9 @@ def run_demo_pipeline(out):
     from transformers import pipeline
 
     from convert.demo import DEMO_PROMPTS
+    from fat5 import register_auto_classes
 
+    register_auto_classes()  # as in a user's process that uses FAT5's classes (transformers 5 then prefers them)
     generator = pipeline("text2text-generation", model=str(out), trust_remote_code=True)
     wrong = []
     for prompt, expected in DEMO_PROMPTS:
@@ -108,9 +112,11 @@ def convert(args, progress, argv=None):
         raise CommandError("OUT is required when SRC is given")
     import torch
 
-    from convert.checkpoint import plan_conversion
+    from convert.checkpoint import plan_conversion, read_config
     from convert.demo import DEMO_CHECKPOINT
     from convert.export import export, parse_size
+    from convert.flasht5 import MODEL_TYPE as FLASHT5
+    from convert.flasht5 import plan_flasht5_conversion
     from convert.hub import check_push_access, push_to_hub
     from convert.safety import AtomicOutput
 
@@ -122,7 +128,8 @@ def convert(args, progress, argv=None):
     source_folder, hub_id = resolve_source(src, args.revision, args.token)
     output = AtomicOutput(source_folder, out, overwrite=args.overwrite or demo)
     progress.describe = output.describe
-    plan = plan_conversion(source_folder)
+    flasht5 = read_config(source_folder).get("model_type") == FLASHT5  # flashT5's own layout (CATIE-AQ's FAT5)
+    plan = plan_flasht5_conversion(source_folder) if flasht5 else plan_conversion(source_folder)
     print(f"Converting {src} ({plan.source_config['model_type']}, {len(plan.mapping)} tensors) -> {out}")
     command = "python -m convert.flan_to_fat5" + ("" if demo else " " + shlex.join(sys.argv[1:] if argv is None
                                                                                       else argv))

@@ -6,15 +6,15 @@ A FAT5 model whose position_encoding_type is "t5" (T5's relative bias) has T5's 
 computation, so it exports with optimum's own T5 ONNX config, registered for model type "fat5" (here, and by loading
 a FAT5 config once optimum's exporter is imported, which makes `optimum-cli export onnx --model FOLDER
 --trust-remote-code` work too: fat5/integrations_fat5.py). Other position types (FIRE, RoPE, ...) have no ONNX config
-and are refused. optimum's exporter (`pip install "fat5[onnx]"`)
-requires transformers < 4.58, so this runs on transformers 4.57 only.
+and are refused. optimum's exporter (`pip install "fat5[onnx]"`) requires transformers < 4.58, so this runs on
+transformers 4.57 only.
 """
 
 import argparse
 from pathlib import Path
 
-from convert.cli import CliParser, CommandError, exit_with, run
-from convert.files import check_model_folder, read_json_object
+from fat5.cli import CliParser, CommandError, exit_with, run
+from fat5.files import check_model_folder, read_json_object
 
 
 def build_parser():
@@ -23,7 +23,11 @@ def build_parser():
     parser = CliParser(prog="python -m convert.onnx_fat5", description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", metavar="FOLDER", help="a FAT5 folder (config.json, weights, tokenizer)")
-    parser.add_argument("out", metavar="OUT", help="output folder for the ONNX files (must be empty or absent)")
+    parser.add_argument("out", metavar="OUT", help="output folder for the ONNX files (absent or empty, unless "
+                                                   "--overwrite), outside FOLDER")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace OUT if it exists and is not empty (atomically: OUT is always either the "
+                             "old or the new folder)")
     parser.add_argument("--task", default=TASKS[0], choices=TASKS,
                         help=f"what to export (default: {TASKS[0]}: encoder, decoder and decoder with cache, "
                              "for ORTModelForSeq2SeqLM.generate)")
@@ -68,21 +72,23 @@ def register_fat5_onnx_config():
 
 def export(args, progress):
     check_exportable(args.folder)
-    out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CommandError(f"OUT {out} exists and is not an empty folder")
     register_fat5_onnx_config()
     from optimum.exporters.onnx import main_export
 
-    from convert.safety import write_failures_reported
+    from convert.safety import AtomicOutput
+    from fat5.cli import write_failures_reported
 
-    progress.describe = lambda: f"{out} may hold a partial export: delete it"
-    # optimum loads the folder's own remote code, reruns the exported graphs on fresh inputs and checks them against
-    # PyTorch's outputs (do_validation) before returning.
-    with write_failures_reported(out, out.resolve().parent):
-        main_export(args.folder, out, task=args.task, opset=args.opset, trust_remote_code=True)
-    print(f"Wrote {out}: load it with optimum.onnxruntime.ORTModelForSeq2SeqLM.from_pretrained(OUT, "
-          "trust_remote_code=True)")
+    # OUT is built in a staging folder beside it and put in place whole, as the converters' OUT: an interrupted or
+    # failed export leaves no partial folder, and OUT may not overlap the model folder it reads.
+    output = AtomicOutput(args.folder, args.out, overwrite=args.overwrite, what="ONNX export")
+    progress.describe = output.describe
+    with output as staging, write_failures_reported(output.out, output.out.resolve().parent):
+        # optimum loads the folder's own remote code, reruns the exported graphs on fresh inputs and checks them
+        # against PyTorch's outputs (do_validation) before returning.
+        main_export(args.folder, staging, task=args.task, opset=args.opset, trust_remote_code=True)
+        output.commit()
+    print(f"Wrote {output.out}: {output.describe()}; load it with "
+          "optimum.onnxruntime.ORTModelForSeq2SeqLM.from_pretrained(OUT, trust_remote_code=True)")
 
 
 def main(argv=None):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from convert.cli import CheckFailed
+from fat5.cli import CheckFailed
 
 # Verification tolerance on logits, relative to the largest reference logit, per stored dtype.
 PARITY_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -108,12 +108,13 @@ def load_fat5(folder, dtype=None):
     return model
 
 
-def verify_parity(source_folder, folder, dtype):
-    """T5 -> FAT5: the FAT5 folder written at `folder` against the transformers model of `source_folder`."""
+def verify_parity(source_folder, folder, dtype, load_reference=None):
+    """T5 -> FAT5: the FAT5 folder written at `folder` against the model of `source_folder`: transformers' T5, or
+    what `load_reference(source_folder, dtype)` returns (flashT5's, see convert/flasht5_reference.py)."""
     from convert.checkpoint import load_source_model
 
-    return prove_parity(load_source_model(source_folder, dtype=dtype), lambda: load_fat5(folder, dtype), folder,
-                        check_generation=True)
+    reference = (load_reference or load_source_model)(source_folder, dtype=dtype)
+    return prove_parity(reference, lambda: load_fat5(folder, dtype), folder, check_generation=True)
 
 
 def verify_back_parity(fat5_folder, folder):

@@ -16,7 +16,7 @@ import json
 import types
 from pathlib import Path
 
-from convert.cli import CliParser, CommandError, exit_with, run
+from fat5.cli import CliParser, CommandError, exit_with, run
 
 
 def build_parser():
@@ -65,8 +65,8 @@ def check_folder(folder):
 
 def refresh(args, progress):
     from convert.checkpoint import read_config
-    from convert.files import check_model_folder
-    from convert.safety import write_failures_reported
+    from fat5.cli import write_failures_reported
+    from fat5.files import check_model_folder
     from fat5.remote_code_fat5 import StagedFolder, write_remote_code
 
     folder = Path(args.folder)

@@ -11,18 +11,14 @@ those left by killed runs on the same OUT, and only those.
 
 import errno
 import os
-import re
 import shutil
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
-from convert.cli import CommandError, WriteFailed, error_line
+from fat5.cli import CommandError
 from fat5.remote_code_fat5 import RENAME_NOREPLACE, current_umask, renameat2, signals_deferred, swap_in
 
 STAGING_MARK = ".fat5-staging-"
-# torch.save's zip writer (PyTorchStreamWriter, inline_container.cc) fails with a RuntimeError that names no errno.
-TORCH_WRITER_FAILED = re.compile(r"PytorchStreamWriter|inline_container\.cc")
 
 
 class OutputError(CommandError):
@@ -110,8 +106,9 @@ def put_in_place(staging, out, replace):
 class AtomicOutput:
     """Staging folder for OUT and its final swap into place; `state` says what OUT's path holds."""
 
-    def __init__(self, source, out, overwrite):
+    def __init__(self, source, out, overwrite, what="conversion"):
         self.out = Path(out)
+        self.what = what  # what the folder holds, for `describe`
         check_paths(source, self.out, overwrite)
         self.existed = self.out.is_dir()
         self.overwrite = overwrite
@@ -143,45 +140,8 @@ class AtomicOutput:
     def describe(self):
         """One phrase for the final message: what OUT's path holds now."""
         if self.state == "written":
-            return f"{self.out} holds the complete new conversion" + (" (the old folder was replaced)"
+            return f"{self.out} holds the complete new {self.what}" + (" (the old folder was replaced)"
                                                                        if self.existed else "")
         if self.existed:
             return f"{self.out} is unchanged (the old folder is intact)"
         return f"nothing was written to {self.out}"
-
-
-def write_failure(error, folder=None):
-    """Why a write failed, in a few words, when `error` is what a failed write raises, else None: an OSError from
-    the system (ENOSPC: "No space left on device"; not one a library raises with a message only, such as
-    transformers' missing files), safetensors' SafetensorError, or torch.save's RuntimeError, which names no cause
-    (the OSError behind it when torch kept it, else the free space left in `folder`)."""
-    from safetensors import SafetensorError
-
-    if isinstance(error, OSError) and error.errno is not None:
-        reason = error.strerror or error_line(error)
-        return f"{reason}: {error.filename}" if error.filename and error.errno != errno.ENOSPC else reason
-    if isinstance(error, SafetensorError) and "serializ" in str(error):
-        return error_line(error).removeprefix("Error while serializing: ")
-    if isinstance(error, RuntimeError) and TORCH_WRITER_FAILED.search(str(error)):
-        return write_failure(error.__context__) or f"torch could not write a file{_free_space(folder)}"
-    return None
-
-
-def _free_space(folder):
-    try:
-        return f", {shutil.disk_usage(folder).free / 2**20:.1f} MiB free on its disk" if folder is not None else ""
-    except OSError:
-        return ""
-
-
-@contextmanager
-def write_failures_reported(what, folder=None):
-    """A write that fails inside the block (a full disk, a quota, a read-only or lost mount) ends the command with
-    one WriteFailed line naming `what` (written into `folder`); every other error passes unchanged."""
-    try:
-        yield
-    except Exception as error:
-        reason = write_failure(error, folder)
-        if reason is None:
-            raise
-        raise WriteFailed(f"writing {what} failed ({reason})") from error

@@ -1,51 +1,76 @@
 """FAT5: T5-family models with the relative position bias computed inside a flash-attention kernel.
 
-Importing this package registers FAT5 with transformers' Auto classes, so a converted folder loads without
-`trust_remote_code` in a process that has FAT5 installed. With `trust_remote_code=True`, transformers 5 still
-prefers these registered classes; 4.57 loads the folder's own copy of the code.
+`import fat5` imports nothing else: the command-line modules (`fat5.cli`, `fat5.files`, the commands' flags) answer
+--help and bad input without torch or transformers. The names below load on first use (PEP 562), e.g.
+`from fat5 import FAT5ForConditionalGeneration` or `fat5.FAT5Config`, and that first use registers FAT5 with
+transformers' Auto classes, so a converted folder then loads without `trust_remote_code` in this process. With
+`trust_remote_code=True`, transformers 5 still prefers these registered classes; 4.57 loads the folder's own copy of
+the code. (Importing the model code, `fat5.modeling_fat5` or a folder's copy, registers FAT5's PEFT defaults.)
 """
 
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForQuestionAnswering,
-    AutoModelForSeq2SeqLM,
-    AutoModelForSequenceClassification,
-    AutoModelForTextEncoding,
-    AutoModelForTokenClassification,
+# The model classes of modeling_fat5.__all__ (tests/test_package_layout.py holds the two lists equal).
+MODEL_CLASSES = (
+    "FAT5PreTrainedModel",
+    "FAT5Model",
+    "FAT5EncoderModel",
+    "FAT5ForConditionalGeneration",
+    "FAT5ForSequenceClassification",
+    "FAT5ForTokenClassification",
+    "FAT5ForQuestionAnswering",
 )
-
-from . import modeling_fat5
-from .configuration_fat5 import FAT5Config
-from .modeling_fat5 import (
-    FAT5EncoderModel,
-    FAT5ForConditionalGeneration,
-    FAT5ForQuestionAnswering,
-    FAT5ForSequenceClassification,
-    FAT5ForTokenClassification,
-    FAT5Model,
-    FAT5PreTrainedModel,
-)
-from .pipeline_fat5 import FAT5Text2TextGenerationPipeline, text2text_pipeline
-
-# Auto class -> FAT5 class; also the `auto_map` an exported checkpoint declares.
-AUTO_CLASSES = {
-    AutoModel: FAT5Model,
-    AutoModelForSeq2SeqLM: FAT5ForConditionalGeneration,
-    AutoModelForSequenceClassification: FAT5ForSequenceClassification,
-    AutoModelForTokenClassification: FAT5ForTokenClassification,
-    AutoModelForQuestionAnswering: FAT5ForQuestionAnswering,
-    AutoModelForTextEncoding: FAT5EncoderModel,
-}
-
-AutoConfig.register(FAT5Config.model_type, FAT5Config, exist_ok=True)
-for auto_class, model_class in AUTO_CLASSES.items():
-    auto_class.register(FAT5Config, model_class, exist_ok=True)
 
 __all__ = [
     "FAT5Config",
-    *modeling_fat5.__all__,
+    *MODEL_CLASSES,
+    # Auto class -> FAT5 class; also the `auto_map` an exported checkpoint declares.
     "AUTO_CLASSES",
     "FAT5Text2TextGenerationPipeline",
     "text2text_pipeline",
 ]
+
+
+def __getattr__(name):
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    register_auto_classes()
+    return globals()[name]
+
+
+def __dir__():
+    return sorted({*globals(), *__all__})
+
+
+def register_auto_classes():
+    """Import the model code and register it with transformers' Auto classes, as the first use of a name above does
+    (FAT5's commands call it before they load a folder, so that they load it with this installation's classes)."""
+    from transformers import (
+        AutoConfig,
+        AutoModel,
+        AutoModelForQuestionAnswering,
+        AutoModelForSeq2SeqLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTextEncoding,
+        AutoModelForTokenClassification,
+    )
+
+    from . import modeling_fat5, pipeline_fat5
+    from .configuration_fat5 import FAT5Config
+
+    auto_classes = {
+        AutoModel: modeling_fat5.FAT5Model,
+        AutoModelForSeq2SeqLM: modeling_fat5.FAT5ForConditionalGeneration,
+        AutoModelForSequenceClassification: modeling_fat5.FAT5ForSequenceClassification,
+        AutoModelForTokenClassification: modeling_fat5.FAT5ForTokenClassification,
+        AutoModelForQuestionAnswering: modeling_fat5.FAT5ForQuestionAnswering,
+        AutoModelForTextEncoding: modeling_fat5.FAT5EncoderModel,
+    }
+    AutoConfig.register(FAT5Config.model_type, FAT5Config, exist_ok=True)
+    for auto_class, model_class in auto_classes.items():
+        auto_class.register(FAT5Config, model_class, exist_ok=True)
+    globals().update(
+        {name: getattr(modeling_fat5, name) for name in MODEL_CLASSES},
+        FAT5Config=FAT5Config,
+        AUTO_CLASSES=auto_classes,
+        FAT5Text2TextGenerationPipeline=pipeline_fat5.FAT5Text2TextGenerationPipeline,
+        text2text_pipeline=pipeline_fat5.text2text_pipeline,
+    )

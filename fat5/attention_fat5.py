@@ -14,7 +14,7 @@ Shared contract (all backends; `ATTENTION_FUNCTIONS` take the segment ids as one
     query position i is ``i + q_offset``, key position j is ``j``; relative position is ``j - (i + q_offset)``
     bias_table      (num_buckets, H): T5 relative bias, bucketed as T5 does (``bidirectional`` for encoders)
     alibi_slopes    (H,): bias ``-slope * |relative position|``
-    position_bias   (B | 1, H, Lq, Lk): an already dense bias (FIRE); eager/sdpa only
+    position_bias   (B | 1, H, Lq, Lk): an already dense bias (FIRE, asymmetric ALiBi); eager/sdpa only
     key_padding_mask (B, Lk) bool, True = attend; masks keys, never queries
     causal          key j is visible to query i only if ``j <= i + q_offset``
     scale           T5 uses 1.0 (no 1/sqrt(d)); other position encodings usually use D**-0.5
@@ -35,7 +35,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .reference_fat5 import dense_bias, eager_attention, visibility_mask
+from .reference_fat5 import dense_bias, eager_attention, relative_positions, visibility_mask
 
 
 def alibi_slopes(num_heads):
@@ -47,6 +47,19 @@ def alibi_slopes(num_heads):
         extra = 2.0 ** (-4.0 / closest)
         slopes += [extra ** (2 * i + 1) for i in range(num_heads - closest)]
     return torch.tensor(slopes, dtype=torch.float32)
+
+
+def asymmetric_alibi_bias(num_heads, query_length, key_length, q_offset, device):
+    """(1, H, Lq, Lk) dense bias of asymmetric (bidirectional) ALiBi: the heads of the first half see only keys at
+    or before their query, those of the second half only keys at or after it (-inf elsewhere), each half with the
+    slopes of num_heads / 2 heads. Every query sees its own key, so no row is all -inf."""
+    half = num_heads // 2
+    slopes = alibi_slopes(half).repeat(2).to(device)
+    relative = relative_positions(query_length, key_length, q_offset, device)
+    bias = -slopes[:, None, None] * relative.abs().to(slopes.dtype)
+    looks_back = (torch.arange(num_heads, device=device) < half)[:, None, None]
+    hidden = torch.where(looks_back, relative > 0, relative < 0)
+    return bias.masked_fill(hidden, float("-inf"))[None]
 
 
 def segment_positions(segment_ids):
@@ -107,8 +120,9 @@ class PositionInputs:
     q_offset: int | torch.Tensor = 0  # position of the first query (a static cache's counter is a tensor)
     cache_position: torch.Tensor | None = None  # (Lq,) cache slots of the queries
     alibi_slopes: torch.Tensor | None = None  # (H,)
-    position_bias: torch.Tensor | None = None  # dense FIRE bias (1 | B, H, Lq, Lk)
+    position_bias: torch.Tensor | None = None  # dense FIRE or asymmetric ALiBi bias (1 | B, H, Lq, Lk)
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE cos, sin: (Lq, D), or (B, 1, L, D) when packed
+    cross_rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE of the encoder keys (rope_cross_attention)
     segments: PackedSegments | None = None  # packed rows: self-attention's segments
     cross_segments: PackedSegments | None = None  # packed rows: cross-attention's (decoder queries, encoder keys)
 
@@ -206,14 +220,15 @@ def select_attention_backend(config, query, needs_dense_bias, dropout_p):
     """Name of the backend for this call: the configured one, or for "auto" the fastest that is exact here.
 
     "auto" runs the kernel on CUDA, with or without attention dropout (the kernel draws its mask in-kernel), and
-    SDPA only where the kernel cannot run: a dense bias (FIRE's, computed by an MLP per pair), a head dim outside
-    its tiles, or a tensor that is not on CUDA; output_attentions runs eager (`attention_function`).
+    SDPA only where the kernel cannot run: a dense bias (FIRE's, computed by an MLP per pair, or asymmetric
+    ALiBi's), a head dim outside its tiles, or a tensor that is not on CUDA; output_attentions runs eager
+    (`attention_function`).
     `dropout_p` is part of the call's description but no longer decides the backend."""
     backend = config.attention_backend
     if backend == "triton" and needs_dense_bias:
         raise ValueError(
-            "attention_backend='triton' has no dense bias (FIRE's is an MLP of every query-key pair): use "
-            "attention_backend='sdpa' or 'auto'"
+            "attention_backend='triton' has no dense bias (FIRE's is an MLP of every query-key pair, asymmetric "
+            "ALiBi's masks half the heads each way): use attention_backend='sdpa' or 'auto'"
         )
     if backend == "triton" and query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(

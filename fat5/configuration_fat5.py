@@ -11,6 +11,7 @@ from .pickling_fat5 import reduce_keeping_code_importable, shallow_copy
 
 POSITION_ENCODING_TYPES = ("t5", "rope", "alibi", "fire", "none")
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "triton")
+ALIBI_MODES = ("symmetric", "asymmetric")
 LM_LOSS_IMPLEMENTATIONS = ("chunked", "liger")
 
 
@@ -48,14 +49,18 @@ _RULES = (
      "a number in [0, 1)"),
     (("attention_dropout_rate",), lambda value: value is None or (_number(value) and 0 <= value < 1),
      "a number in [0, 1), or null for dropout_rate's value"),
+    (("partial_rotary_factor",), lambda value: _number(value) and 0 < value <= 1, "a number in (0, 1]"),
+    (("fire_normalizer_offset",), lambda value: _integer(value) and value >= 0, "a non-negative integer"),
     (("layer_norm_epsilon", "initializer_factor", "attention_scale", "rope_theta", "fire_init_c",
       "fire_init_threshold"), lambda value: _number(value) and value > 0, "a finite number > 0"),
-    (("z_loss",), lambda value: _number(value) and value >= 0, "a finite number >= 0"),
+    (("z_loss", "fire_normalizer_eps"), lambda value: _number(value) and value >= 0, "a finite number >= 0"),
     (("tie_word_embeddings", "scale_decoder_outputs", "relative_bias_per_layer", "return_logits_in_training",
-      "use_cache", "is_encoder_decoder"), lambda value: isinstance(value, bool), "true or false"),
+      "use_cache", "is_encoder_decoder", "rope_interleaved", "rope_cross_attention", "rope_rotates_values"),
+     lambda value: isinstance(value, bool), "true or false"),
     (("position_encoding_type",), lambda value: value in POSITION_ENCODING_TYPES,
      f"one of {POSITION_ENCODING_TYPES}"),
     (("attention_backend",), lambda value: value in ATTENTION_BACKENDS, f"one of {ATTENTION_BACKENDS}"),
+    (("alibi_mode",), lambda value: value in ALIBI_MODES, f"one of {ALIBI_MODES}"),
     (("lm_loss_implementation",), lambda value: value in LM_LOSS_IMPLEMENTATIONS, f"one of {LM_LOSS_IMPLEMENTATIONS}"),
     (("feed_forward_proj",), _feed_forward_proj,
      "of the form 'ACT' or 'gated-ACT' with ACT a transformers activation (e.g. 'relu', 'gated-gelu', 'gated-silu')"),
@@ -96,6 +101,21 @@ class FAT5Config(PretrainedConfig):
         `"eager"`, `"sdpa"` or `"triton"` force one.
     rope_theta (`float`), fire_mlp_width (`int`), fire_init_c (`float`), fire_init_threshold (`float`):
         Parameters of RoPE and FIRE.
+    alibi_mode (`str`, defaults to `"symmetric"`):
+        `"symmetric"`: every head's bias is `-slope * |j - i|`. `"asymmetric"` (bidirectional ALiBi as flashT5
+        trains it): the first half of the heads sees only keys j <= i, the second half only keys j >= i, each half
+        with the slopes of num_heads / 2 heads. Its bias is dense, so the Triton kernel does not run it.
+    partial_rotary_factor (`float`, defaults to 1.0):
+        RoPE rotates the first `int(d_kv * partial_rotary_factor)` channels of each head and leaves the rest.
+    rope_interleaved (`bool`, defaults to `False`):
+        RoPE rotates channel pairs (0, 1), (2, 3), ... (GPT-J style) instead of (i, i + dim / 2) (GPT-NeoX style).
+    rope_cross_attention (`bool`, defaults to `False`):
+        Also rotate cross-attention: queries by their decoder position, keys by their encoder position.
+    rope_rotates_values (`bool`, defaults to `False`):
+        Also rotate the values by their key position (flashT5 does; the outputs are not rotated back).
+    fire_normalizer_offset (`int`, defaults to 1), fire_normalizer_eps (`float`, defaults to 0.0):
+        FIRE divides by `psi(max(threshold, i + fire_normalizer_offset)) + fire_normalizer_eps` for the 0-based
+        query position i (flashT5: offset 0, eps 1e-6).
     z_loss (`float`), label_smoothing (`float`):
         Extra terms of the language-modelling loss (z-loss as in PaLM: `z_loss * logsumexp(logits)**2`).
     return_logits_in_training (`bool`, defaults to `False`):
@@ -144,6 +164,13 @@ class FAT5Config(PretrainedConfig):
         fire_mlp_width=32,
         fire_init_c=0.1,
         fire_init_threshold=512.0,
+        alibi_mode="symmetric",
+        partial_rotary_factor=1.0,
+        rope_interleaved=False,
+        rope_cross_attention=False,
+        rope_rotates_values=False,
+        fire_normalizer_offset=1,
+        fire_normalizer_eps=0.0,
         z_loss=0.0,
         label_smoothing=0.0,
         return_logits_in_training=False,
@@ -179,6 +206,13 @@ class FAT5Config(PretrainedConfig):
         self.fire_mlp_width = fire_mlp_width
         self.fire_init_c = fire_init_c
         self.fire_init_threshold = fire_init_threshold
+        self.alibi_mode = alibi_mode
+        self.partial_rotary_factor = partial_rotary_factor
+        self.rope_interleaved = rope_interleaved
+        self.rope_cross_attention = rope_cross_attention
+        self.rope_rotates_values = rope_rotates_values
+        self.fire_normalizer_offset = fire_normalizer_offset
+        self.fire_normalizer_eps = fire_normalizer_eps
         self.z_loss = z_loss
         self.label_smoothing = label_smoothing
         self.return_logits_in_training = return_logits_in_training
@@ -271,6 +305,11 @@ class FAT5Config(PretrainedConfig):
         # T5 v1.1 "gated-gelu" means the tanh approximation.
         return "gelu_new" if self.feed_forward_proj == "gated-gelu" else act
 
+    @property
+    def rotary_dim(self):
+        """Channels of each head RoPE rotates (the first ones)."""
+        return int(self.d_kv * self.partial_rotary_factor)
+
     def _validate_fat5(self):
         """What no single field can say; each field's own type and range is checked when it is set."""
 
@@ -289,6 +328,12 @@ class FAT5Config(PretrainedConfig):
                      f"must exceed relative_attention_num_buckets // 2 = {buckets // 2}, got {distance!r}")
         if self.position_encoding_type == "rope" and self.d_kv % 2:
             fail("d_kv", f"RoPE rotates pairs of channels, so d_kv must be even, got {self.d_kv}")
+        if self.position_encoding_type == "rope" and (self.rotary_dim % 2 or not self.rotary_dim):
+            fail("partial_rotary_factor", f"RoPE rotates pairs of channels, so int(d_kv * partial_rotary_factor) "
+                 f"must be even and positive, got {self.rotary_dim}")
+        if self.position_encoding_type == "alibi" and self.alibi_mode == "asymmetric" and self.num_heads % 2:
+            fail("alibi_mode", f"asymmetric ALiBi splits the heads in two halves, so num_heads must be even, "
+                 f"got {self.num_heads}")
         for field in ("pad_token_id", "decoder_start_token_id"):
             if getattr(self, field) is not None and getattr(self, field) >= self.vocab_size:
                 fail(field, f"{getattr(self, field)} is not below vocab_size {self.vocab_size}")

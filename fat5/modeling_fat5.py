@@ -34,6 +34,7 @@ from .attention_fat5 import (
     PackedSegments,
     PositionInputs,
     alibi_slopes,
+    asymmetric_alibi_bias,
     attention_function,
     segment_positions,
     triton_installed,
@@ -146,7 +147,9 @@ class FAT5LayerFF(nn.Module):
 class FAT5FIREBias(nn.Module):
     """FIRE (Li et al. 2023): bias = MLP(psi(distance) / psi(max(threshold, query position))), psi(x) = log(c x + 1).
 
-    The sign of the distance is kept, so one MLP serves the bidirectional encoder too.
+    The sign of the distance (key - query) is kept, so one MLP serves the bidirectional encoder too. The query
+    position counts from config.fire_normalizer_offset (1: the first query is position 1), and
+    config.fire_normalizer_eps is added to the normaliser.
     """
 
     def __init__(self, config):
@@ -156,6 +159,8 @@ class FAT5FIREBias(nn.Module):
                                   bias=True)
         self.c = nn.Parameter(torch.tensor(config.fire_init_c))
         self.threshold = nn.Parameter(torch.tensor(config.fire_init_threshold))
+        self.normalizer_offset = config.fire_normalizer_offset
+        self.normalizer_eps = config.fire_normalizer_eps
 
     def forward(self, query_length, key_length, q_offset, device, positions=None):
         """(1, H, Lq, Lk) bias; (B, H, L, L) for packed rows, whose (B, L) `positions` restart at each segment."""
@@ -166,27 +171,39 @@ class FAT5FIREBias(nn.Module):
             query_position = positions.float()
             relative = query_position[:, None, :] - query_position[:, :, None]
         c = self.c.abs()
-        normaliser = torch.log(c * torch.maximum(self.threshold.abs(), query_position + 1) + 1)[..., None]
+        first = query_position + self.normalizer_offset
+        normaliser = torch.log(c * torch.maximum(self.threshold.abs(), first) + 1)[..., None] + self.normalizer_eps
         distance = torch.sign(relative) * torch.log(c * relative.abs() + 1) / normaliser
-        bias = self.mlp_out(F.relu(self.mlp_in(distance.unsqueeze(-1))))  # (1 | B, Lq, Lk, H)
+        # The distances are computed in fp32; the MLP runs in its weights' dtype (bf16 in a bf16 model).
+        distance = to_weight_dtype(distance.unsqueeze(-1), self.mlp_in)
+        bias = self.mlp_out(F.relu(self.mlp_in(distance)))  # (1 | B, Lq, Lk, H)
         return bias.permute(0, 3, 1, 2)
 
 
-def rotate_half(x):
+def rotate_half(x, interleaved=False):
+    """The pair partner of every channel, negated on the first of the pair: pairs (i, i + dim / 2), or (2i, 2i + 1)
+    when `interleaved`."""
+    if interleaved:
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
 
 
-def rotary_cos_sin(positions, dim, theta, device):
-    """cos/sin of shape (*positions.shape, dim) for RoPE, in fp32 so long positions stay distinct."""
+def rotary_cos_sin(positions, dim, theta, device, interleaved=False):
+    """cos/sin of shape (*positions.shape, dim) for RoPE over `dim` channels, in fp32 so long positions stay
+    distinct; the angle of pair k is laid out where `rotate_half` puts that pair."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     angles = positions.to(torch.float32)[..., None] * inv_freq
-    angles = torch.cat((angles, angles), dim=-1)
+    angles = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
 
-def apply_rotary(x, cos, sin):
-    return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
+def apply_rotary(x, cos, sin, interleaved=False):
+    """x with its first cos.shape[-1] channels rotated (all of them unless partial_rotary_factor < 1)."""
+    dim = cos.shape[-1]
+    rotated = x[..., :dim].float()
+    rotated = (rotated * cos + rotate_half(rotated, interleaved) * sin).to(x.dtype)
+    return rotated if dim == x.shape[-1] else torch.cat((rotated, x[..., dim:]), dim=-1)
 
 
 class FAT5Attention(nn.Module):
@@ -227,16 +244,19 @@ class FAT5Attention(nn.Module):
         position = PositionInputs() if position is None else position
         query = self._project(self.q, hidden_states)
         if self.is_cross_attention:
-            key, value = self._encoder_key_value(key_value_states, cache)
-            # Encoder positions are not comparable with decoder positions: no position encoding here.
+            key, value = self._encoder_key_value(key_value_states, cache, position.cross_rotary)
+            if self.config.rope_cross_attention and position.rotary is not None:
+                query = self._rotate(query, position.rotary)
+            # No bias here: encoder positions are not comparable with decoder positions (T5, ALiBi, FIRE).
             bias_table = alibi = dense_bias = None
             q_offset, segments = 0, position.cross_segments
         else:
             key = self._project(self.k, hidden_states)
             value = self._project(self.v, hidden_states)
             if position.rotary is not None:
-                cos, sin = position.rotary
-                query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+                query, key = self._rotate(query, position.rotary), self._rotate(key, position.rotary)
+                if self.config.rope_rotates_values:
+                    value = self._rotate(value, position.rotary)
             if cache is not None:
                 # cache_position tells transformers 4.x's static cache where to write (5.x counts itself).
                 key, value = cache.self_attention_cache.update(
@@ -260,13 +280,23 @@ class FAT5Attention(nn.Module):
         attn_output = self.o(attn_output.transpose(1, 2).reshape(batch, length, self.inner_dim))
         return attn_output, attn_weights
 
-    def _encoder_key_value(self, encoder_hidden_states, cache):
+    def _rotate(self, states, rotary):
+        cos, sin = rotary
+        return apply_rotary(states, cos, sin, self.config.rope_interleaved)
+
+    def _encoder_key_value(self, encoder_hidden_states, cache, rotary=None):
+        """Cross-attention keys and values, from the cache once computed; `rotary`: the encoder positions' RoPE
+        (rope_cross_attention), applied before caching."""
         cross_cache = cache.cross_attention_cache if cache is not None else None
         if cache is not None and cache.is_updated.get(self.layer_idx):
             # Encoder keys/values do not change while decoding: reuse them.
             return cross_cache.layers[self.layer_idx].keys, cross_cache.layers[self.layer_idx].values
         key = self._project(self.k, encoder_hidden_states)
         value = self._project(self.v, encoder_hidden_states)
+        if rotary is not None:
+            key = self._rotate(key, rotary)
+            if self.config.rope_rotates_values:
+                value = self._rotate(value, rotary)
         if cross_cache is not None:
             key, value = cross_cache.update(key, value, self.layer_idx)
             cache.is_updated[self.layer_idx] = True
@@ -598,27 +628,36 @@ class FAT5Stack(FAT5PreTrainedModel):
         The full model ties."""
 
     def _position_inputs(self, query_length, key_length, q_offset, device, positions=None, segments=None,
-                         cross_segments=None):
+                         cross_segments=None, encoder_length=None):
         """Small per-forward position parameters shared by every layer (never an (L, L) T5 bias). `positions`
-        (B, L): per-segment positions of a packed batch (T5 and ALiBi need none: see `attention_fat5`)."""
+        (B, L): per-segment positions of a packed batch (T5 and ALiBi need none: see `attention_fat5`).
+        `encoder_length`: the cross-attention's key count, when the decoder attends to an encoder."""
         config = self.config
         kind = config.position_encoding_type
         first_attention = self.block[0].layer[0].SelfAttention if len(self.block) else None
-        slopes = dense_bias = rotary = None
-        if kind == "alibi":
+        slopes = dense_bias = rotary = cross_rotary = None
+        if kind == "alibi" and config.alibi_mode == "asymmetric":
+            dense_bias = asymmetric_alibi_bias(config.num_heads, query_length, key_length, q_offset, device)
+        elif kind == "alibi":
             slopes = alibi_slopes(config.num_heads).to(device)
         elif kind == "fire" and first_attention is not None:
             dense_bias = first_attention.fire(query_length, key_length, q_offset, device, positions)
         elif kind == "rope":
-            if positions is None:
-                rotary = rotary_cos_sin(torch.arange(query_length, device=device) + q_offset, config.d_kv,
-                                        config.rope_theta, device)
-            else:
-                cos, sin = rotary_cos_sin(positions, config.d_kv, config.rope_theta, device)
-                rotary = cos[:, None], sin[:, None]  # (B, 1, L, D) against (B, H, L, D)
+            rotary = self._rotary(torch.arange(query_length, device=device) + q_offset if positions is None
+                                  else positions, device)
+            if config.rope_cross_attention and encoder_length is not None:
+                cross_rotary = self._rotary(torch.arange(encoder_length, device=device) if cross_segments is None
+                                            else segment_positions(cross_segments.key_segment_ids), device)
         return PositionInputs(q_offset=q_offset, cache_position=torch.arange(query_length, device=device) + q_offset,
                               alibi_slopes=slopes, position_bias=dense_bias, rotary=rotary, segments=segments,
-                              cross_segments=cross_segments)
+                              cross_segments=cross_segments, cross_rotary=cross_rotary)
+
+    def _rotary(self, positions, device):
+        """RoPE's cos, sin for (L,) positions: (L, D); for a packed batch's (B, L) ones: (B, 1, L, D), against
+        (B, H, L, D) states."""
+        config = self.config
+        cos, sin = rotary_cos_sin(positions, config.rotary_dim, config.rope_theta, device, config.rope_interleaved)
+        return (cos, sin) if positions.dim() == 1 else (cos[:, None], sin[:, None])
 
     def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 inputs_embeds=None, cache=None, use_cache=None, output_hidden_states=None,
@@ -677,7 +716,8 @@ class FAT5Stack(FAT5PreTrainedModel):
             key_padding_mask = encoder_key_padding_mask = None  # the segment ids carry the padding
             positions = segment_positions(segments.query_segment_ids)
         position = self._position_inputs(length, key_length, q_offset, inputs_embeds.device, positions, segments,
-                                         cross_segments)
+                                         cross_segments, encoder_length=None if encoder_hidden_states is None
+                                         else encoder_hidden_states.shape[1])
 
         hidden_states = self.dropout(inputs_embeds)
         if hidden_states.dtype == torch.float16:

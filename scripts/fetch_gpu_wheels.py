@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from convert.cli import CliParser, CommandError, exit_with, run  # noqa: E402
+from fat5.cli import CliParser, CommandError, exit_with, run  # noqa: E402
 
 # The CUDA image's python3 (see the device notes of the machines we use) and its platform.
 DEFAULT_PYTHON = "3.12"

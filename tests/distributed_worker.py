@@ -20,7 +20,7 @@ from fat5 import FAT5ForConditionalGeneration
 STEPS = 3
 LR = 1e-2
 WORLD = 2
-DS_CONFIG = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "ds_zero3_bf16.json"
+DS_CONFIG = Path(__file__).resolve().parent.parent / "fat5" / "recipes" / "configs" / "ds_zero3_bf16.json"
 # Rank r generates NEW_TOKENS[r] tokens from PROMPTS[r]: different lengths, so without synced_gpus the rank that
 # finishes first would stop joining the parameter all-gathers and the other would hang.
 PROMPTS = [[5, 9, 14, 1], [7, 3, 22, 31, 17, 8, 1]]

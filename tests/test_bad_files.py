@@ -15,8 +15,8 @@ from test_pretrain import TINY, write_corpus
 
 from convert import fat5_to_t5, flan_to_fat5, onnx_fat5, refresh_code
 from convert.demo import DEMO_CHECKPOINT
+from fat5.recipes import predict, train
 from fat5.training import pretrain
-from recipes import predict, train
 
 # What each breakage writes, and what the one line then says about the file.
 BREAKAGES = {
@@ -198,3 +198,33 @@ def test_a_corrupt_sentencepiece_model_is_one_line(folders, tmp_path, capsys, ca
     path.write_bytes(b"not a sentencepiece model")
     line = one_error_line(capsys, main, argv)
     assert f"cannot read {path}: not a sentencepiece model" in line, line
+
+
+@pytest.mark.parametrize("case", ["predict", "recipe", "pretrain-checkpoint", "pretrain-tokenizer"])
+def test_a_model_folder_without_a_tokenizer_is_one_line(folders, tmp_path, capsys, case):
+    """AutoTokenizer's own error for it is a multi-line ValueError asking to install sentencepiece (installed)."""
+    main, argv, _ = command_with(f"{case}:config.json", folders, tmp_path)
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        (tmp_path / "model" / name).unlink(missing_ok=True)
+    line = one_error_line(capsys, main, argv)
+    assert f"{tmp_path / 'model'} holds no tokenizer (tokenizer_config.json or tokenizer.json)" in line, line
+    assert "sentencepiece" not in line
+
+
+@pytest.mark.parametrize("flag", ["--deepspeed", "--fsdp_config"])
+@pytest.mark.parametrize("case", ["recipe", "tiny"])
+def test_a_bad_trainer_config_file_is_one_line_naming_it(folders, tmp_path, capsys, case, flag):
+    """TrainingArguments reads these files itself and its errors named neither the file nor the flag."""
+    main, argv, _ = command_with(f"{case}:tiny.json", folders, tmp_path)
+    if case == "tiny":
+        (tmp_path / "tiny.json").write_text(json.dumps(TINY))
+    path = tmp_path / "trainer.json"
+    for breakage, (content, expected) in BREAKAGES.items():
+        if content is None:
+            continue
+        path.write_bytes(content)
+        line = one_error_line(capsys, main, [*argv, flag, str(path)])
+        assert f"the {flag} file {path}" in line and line.endswith(expected.format(path=path)), (breakage, line)
+    line = one_error_line(capsys, main, [*argv, f"{flag}={tmp_path / 'missing.json'}"])
+    assert line == f"error: cannot read the {flag} file {tmp_path / 'missing.json'}: no such file"
+    assert not (tmp_path / "out").exists()

@@ -1,4 +1,4 @@
-"""convert/cli.py's `run`, the convention every FAT5 command follows, on the Ctrl-Cs a training run meets: one
+"""fat5/cli.py's `run`, the convention every FAT5 command follows, on the Ctrl-Cs a training run meets: one
 `interrupted:` line and exit status 130 whatever the moment, never a run that goes on; and on SIGTERM, handled the
 same way with one `terminated:` line and exit status 143."""
 
@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from convert.cli import EXIT_INTERRUPTED, EXIT_TERMINATED, run
 from convert.demo import DEMO_CHECKPOINT
 from convert.safety import STAGING_MARK
+from fat5.cli import EXIT_INTERRUPTED, EXIT_TERMINATED, run
 
 REPO = Path(__file__).resolve().parent.parent
 

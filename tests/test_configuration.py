@@ -7,9 +7,11 @@ import pytest
 from fat5 import FAT5Config
 from fat5.configuration_fat5 import FIELD_RULES
 
-TEXT_FIELDS = ("position_encoding_type", "attention_backend", "lm_loss_implementation", "feed_forward_proj")
+TEXT_FIELDS = ("position_encoding_type", "attention_backend", "lm_loss_implementation", "feed_forward_proj",
+               "alibi_mode")
 FLAG_FIELDS = ("tie_word_embeddings", "scale_decoder_outputs", "relative_bias_per_layer",
-               "return_logits_in_training", "use_cache", "is_encoder_decoder")
+               "return_logits_in_training", "use_cache", "is_encoder_decoder", "rope_interleaved",
+               "rope_cross_attention", "rope_rotates_values")
 # None means "the default" for these (e.g. attention dropout defaults to dropout_rate).
 NONE_MEANS_DEFAULT = ("attention_dropout_rate", "num_decoder_layers", "decoder_start_token_id",
                       "scale_decoder_outputs")
@@ -23,6 +25,8 @@ OUT_OF_RANGE = {
     "fire_init_threshold": [0.0], "z_loss": [-1e-4], "d_model": [0, -8], "vocab_size": [0], "num_heads": [-1],
     "num_layers": [-1], "relative_attention_max_distance": [0], "pad_token_id": [-1], "eos_token_id": [-1, [1, -2]],
     "position_encoding_type": ["learned"], "feed_forward_proj": ["gated-gelu-x", "swish-gated"],
+    "alibi_mode": ["symetric"], "partial_rotary_factor": [0.0, 1.5], "fire_normalizer_offset": [-1, 0.5],
+    "fire_normalizer_eps": [-1e-6, float("inf")],
 }
 
 

@@ -38,13 +38,18 @@ def other_value(name, value):
         return OTHER_VALUES[name]
     if name in SHAPE_FIELDS:
         return value
+    return changed(value)
+
+
+def changed(value):
+    """Another value of `value`'s type (2 where it is unset: a token id or a count)."""
     if isinstance(value, bool):
         return not value
     if isinstance(value, int):
         return value + 1
     if isinstance(value, float):
         return value / 2 if value else 0.25
-    return 2  # unset by default: a token id or a count
+    return 2
 
 
 def t5_refuses(config):
@@ -100,7 +105,7 @@ FAT5_FIELDS = sorted(set(FAT5Config().to_dict()) - set(DERIVED_FIELDS))
 def test_every_fat5_config_field_goes_back_or_is_refused_by_name(name):
     config = FAT5Config(**COMMON, feed_forward_proj="gated-gelu").to_dict()
     value = {"position_encoding_type": "rope", "relative_bias_per_layer": True, "attention_backend": "sdpa",
-             "lm_loss_implementation": "liger"}.get(name) or other_value(name, config[name])
+             "lm_loss_implementation": "liger", "alibi_mode": "asymmetric"}.get(name) or other_value(name, config[name])
     config[name] = value
     if name in ("position_encoding_type", "attention_scale"):  # change the logits; no T5 computes them
         with pytest.raises(ConversionError, match=f"^{name} {value!r} has no transformers T5 counterpart"):

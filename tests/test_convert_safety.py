@@ -222,7 +222,7 @@ def test_ctrl_c_during_imports_is_one_line_and_130(flan, tmp_path):
     out, err = process.communicate(timeout=120)
     # 130, as a shell reports it. CPython sometimes ends the process with SIGINT itself after our one line (a
     # shell then also reports 130). It did so about 1 run in 10 under load on transformers 4.57, with and
-    # without this session's changes to convert/cli.py: the Ctrl-C crossed one of CPython's C entry points while
+    # without this session's changes to fat5/cli.py: the Ctrl-C crossed one of CPython's C entry points while
     # torch was importing, which CPython remembers even though the KeyboardInterrupt is caught.
     assert process.returncode in (130, -signal.SIGINT), err
     assert err.strip().splitlines()[-1] == "interrupted: nothing was written" and len(err.strip().splitlines()) == 1

@@ -1,6 +1,6 @@
 """FAT5 under the distributed engines users train large T5s with, on two CPU processes (gloo): PyTorch FSDP2
 (`fully_shard` per FAT5Block, then the root) and DeepSpeed ZeRO-3 (`DS_ACCELERATOR=cpu`, `deepspeed.initialize`
-with the shipped recipes/configs/ds_zero3_bf16.json). The losses match a single-process run, and
+with the shipped fat5/recipes/configs/ds_zero3_bf16.json). The losses match a single-process run, and
 `generate(synced_gpus=True)` with a different length on each rank finishes and matches single-process generation.
 """
 

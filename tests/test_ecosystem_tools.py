@@ -235,19 +235,19 @@ from transformers import AutoTokenizer
 
 folder, trust, import_fat5, out = sys.argv[1], sys.argv[2] == "trust", sys.argv[3] == "fat5", sys.argv[4]
 if import_fat5:
-    import fat5  # noqa: F401
+    from fat5 import FAT5Config  # noqa: F401  (the first use of a class registers FAT5 with the Auto classes)
 tokenizer = AutoTokenizer.from_pretrained(folder, **({"trust_remote_code": True} if trust else {}))
 json.dump({"class": type(tokenizer).__name__, "ids": tokenizer("reverse: the cat sat").input_ids}, open(out, "w"))
 """
 
 
-@pytest.mark.parametrize("route", ["trust_remote_code", "fat5 imported", "neither"])
+@pytest.mark.parametrize("route", ["trust_remote_code", "fat5 used", "neither"])
 def test_the_tokenizer_loads_without_a_question_by_the_documented_routes(demo_fat5, tmp_path, route):
     """transformers 5 reads config.json first and asks whether to run the folder's code when `trust_remote_code`
-    is not given (no file in the folder can avoid that: README "Tokenizer"); with it, or in a process that
-    imported FAT5, it asks nothing. transformers 4.57 never asks. Every route loads the T5 tokenizer."""
-    args = [demo_fat5, "trust" if route == "trust_remote_code" else "-", "fat5" if route == "fat5 imported" else "-"]
-    if route == "fat5 imported":  # a process where FAT5 is installed: the repository stays importable
+    is not given (no file in the folder can avoid that: README "Tokenizer"); with it, or in a process that used
+    FAT5's classes, it asks nothing. transformers 4.57 never asks. Every route loads the T5 tokenizer."""
+    args = [demo_fat5, "trust" if route == "trust_remote_code" else "-", "fat5" if route == "fat5 used" else "-"]
+    if route == "fat5 used":  # a process where FAT5 is installed: the repository stays importable
         child = subprocess.run([sys.executable, "-c", TOKENIZE, *map(str, args), str(tmp_path / "out.json")],
                                capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
         assert child.returncode == 0, child.stderr[-2000:]

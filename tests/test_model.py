@@ -13,6 +13,14 @@ from fat5.modeling_fat5 import FAT5ForConditionalGeneration
 from t5_checkpoints import padded_batch
 
 POSITION_TYPES = ["t5", "rope", "alibi", "fire", "none"]
+# flashT5's variants (convert/flasht5.py): RoPE also rotating values and cross-attention, partial and interleaved;
+# asymmetric ALiBi (a dense bias); FIRE's 0-based normaliser.
+POSITION_VARIANTS = {
+    "rope-flasht5": dict(position_encoding_type="rope", partial_rotary_factor=0.5, rope_interleaved=True,
+                         rope_cross_attention=True, rope_rotates_values=True),
+    "alibi-asymmetric": dict(position_encoding_type="alibi", alibi_mode="asymmetric"),
+    "fire-flasht5": dict(position_encoding_type="fire", fire_normalizer_offset=0, fire_normalizer_eps=1e-6),
+}
 
 
 def tiny_model(**overrides):
@@ -27,19 +35,23 @@ def tiny_model(**overrides):
     ("attention_backend", "flash"),
     ("relative_attention_num_buckets", 7),
     ("relative_bias_per_layer", True),  # with position_encoding_type="rope" below
+    ("partial_rotary_factor", 0.3),  # 64 * 0.3 = 19 channels: not pairs
+    ("alibi_mode", "asymmetric"),  # with 7 heads: no two halves
     ("dropout_rate", 1.5),
     ("z_loss", -1.0),
     ("d_model", 0),
 ])
 def test_inconsistent_config_names_the_field(field, value):
-    extra = {"position_encoding_type": "rope"} if field == "relative_bias_per_layer" else {}
+    extra = {"relative_bias_per_layer": {"position_encoding_type": "rope"},
+             "partial_rotary_factor": {"position_encoding_type": "rope"},
+             "alibi_mode": {"position_encoding_type": "alibi", "num_heads": 7}}.get(field, {})
     with pytest.raises(ValueError, match=f"FAT5Config.{field}"):
         FAT5Config(**{field: value}, **extra)
 
 
-@pytest.mark.parametrize("position", POSITION_TYPES)
+@pytest.mark.parametrize("position", POSITION_TYPES + list(POSITION_VARIANTS))
 def test_backends_agree_and_cache_matches_full_forward(position):
-    model = tiny_model(position_encoding_type=position)
+    model = tiny_model(**POSITION_VARIANTS.get(position, {"position_encoding_type": position}))
     batch = padded_batch(101)
     real = batch["decoder_attention_mask"].bool()
     logits = {}
@@ -197,8 +209,10 @@ def test_triton_backend_trains_with_attention_dropout(monkeypatch):
     assert calls == [0.0] * 3
 
 
-def test_triton_backend_still_refuses_a_dense_bias():
-    model = tiny_model(position_encoding_type="fire", attention_backend="triton")
+@pytest.mark.parametrize("position", ["fire", "alibi-asymmetric"])
+def test_triton_backend_still_refuses_a_dense_bias(position):
+    model = tiny_model(**POSITION_VARIANTS.get(position, {"position_encoding_type": position}),
+                       attention_backend="triton")
     with pytest.raises(ValueError, match="attention_backend='triton' has no dense bias"):
         model(**padded_batch(101))
 
@@ -260,10 +274,11 @@ def test_fresh_model_uses_t5_initialisation():
     assert torch.equal(model.encoder.final_layer_norm.weight, torch.ones(64))
 
 
-@pytest.mark.parametrize("position", ["t5", "alibi", "rope"])
+@pytest.mark.parametrize("position", ["t5", "alibi", "rope", "rope-flasht5"])
 def test_triton_backend_matches_eager_inside_the_model(position, kernel_device):
     """The kernel as the model's backend (interpreted on CPU): logits, gradients and cached generation."""
-    model = tiny_model(position_encoding_type=position, d_model=64, d_kv=32, num_heads=2).to(kernel_device)
+    model = tiny_model(**POSITION_VARIANTS.get(position, {"position_encoding_type": position}), d_model=64, d_kv=32,
+                       num_heads=2).to(kernel_device)
     batch = {name: tensor.to(kernel_device) for name, tensor in padded_batch(101).items()}
     real = batch["decoder_attention_mask"].bool()
     results = {}

@@ -68,6 +68,31 @@ def test_a_folder_that_is_not_fat5_is_refused_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_out_inside_the_folder_is_refused_and_a_failed_export_leaves_nothing(exported, tmp_path, capsys,
+                                                                            monkeypatch):
+    """OUT is the converters' atomic output: never inside the folder it reads, never half written."""
+    import errno
+
+    import optimum.exporters.onnx
+
+    folder, _ = exported
+    assert onnx_fat5([str(folder), str(folder / "onnx")]) == 2
+    assert capsys.readouterr().err == (f"error: OUT {folder / 'onnx'} overlaps SRC {folder}: choose an output "
+                                       "folder outside the source\n")
+    assert not (folder / "onnx").exists()
+
+    def full_disk(model, output, **options):  # optimum writes some files, then the disk is full
+        (output / "encoder_model.onnx").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(optimum.exporters.onnx, "main_export", full_disk)
+    out = tmp_path / "onnx"
+    assert onnx_fat5([str(folder), str(out)]) == 2
+    assert capsys.readouterr().err == (f"error: writing {out} failed (No space left on device); nothing was "
+                                       f"written to {out}\n")
+    assert list(tmp_path.iterdir()) == []  # neither OUT nor a staging folder
+
+
 # optimum's own routes, in a process that cannot import this repository (a Hub user's): loading the folder's config
 # registers optimum's T5 ONNX config for model type "fat5" (fat5/integrations_fat5.py). As for a local T5 folder,
 # optimum-cli needs --task (it infers tasks only for Hub models).

@@ -111,3 +111,24 @@ def test_entry_modules_name_every_exported_module_directly():
         source = flatten_imports(files[f"{module}.py"].read_text())
         direct.update(f"{name}.py" for name in RELATIVE_IMPORT.findall(source))
     assert set(files) <= direct, set(files) - direct
+
+
+def test_the_lazy_package_names_the_model_code_exports():
+    """fat5/__init__.py lists the model classes without importing them; they are modeling_fat5's."""
+    from fat5 import modeling_fat5
+
+    assert list(fat5.MODEL_CLASSES) == modeling_fat5.__all__
+    assert set(fat5.__all__) <= set(dir(fat5))
+
+
+def test_commands_and_training_never_reach_up_into_the_converter():
+    """Nothing below imports from above: the model package, pretraining and the recipes use the command-line
+    convention of fat5/cli.py, never convert/ (the converter sits above them)."""
+    for name in MODULES:
+        assert "convert" not in imported_modules(name)[1], name
+
+
+def test_command_line_modules_are_never_exported():
+    exported = set(remote_code_files())
+    assert not exported & {"cli.py", "files.py", "commands.py", "__main__.py", "__init__.py"}
+    assert all("training" not in path.parts and "recipes" not in path.parts for path in remote_code_files().values())

@@ -39,6 +39,12 @@ POSITIONS = {
     "rope": dict(position_encoding_type="rope"),
     "alibi": dict(position_encoding_type="alibi"),
     "fire": dict(position_encoding_type="fire"),
+    # flashT5's variants (convert/flasht5.py): RoPE also rotating values and cross-attention (encoder positions
+    # restart per segment too), partial and interleaved; asymmetric ALiBi's dense bias; FIRE's 0-based normaliser.
+    "rope-flasht5": dict(position_encoding_type="rope", partial_rotary_factor=0.5, rope_interleaved=True,
+                         rope_cross_attention=True, rope_rotates_values=True),
+    "alibi-asymmetric": dict(position_encoding_type="alibi", alibi_mode="asymmetric"),
+    "fire-flasht5": dict(position_encoding_type="fire", fire_normalizer_offset=0, fire_normalizer_eps=1e-6),
 }
 # The kernel runs in the Triton interpreter (slow, ~0.3 s a launch): one case, the per-layer T5 tables. The packing
 # code around the kernel does not depend on the bias (ALiBi and no-bias kernel paths are tested in

@@ -154,7 +154,7 @@ def test_continued_pretraining_of_a_converted_checkpoint(tmp_path, one_thread, c
 
 
 def expect_error(args, message, capsys):
-    """Bad input: exit status 2 and one `error:` line on stderr (convert/cli.py's convention)."""
+    """Bad input: exit status 2 and one `error:` line on stderr (fat5/cli.py's convention)."""
     capsys.readouterr()
     assert pretrain_main([str(arg) for arg in args]) == 2
     lines = capsys.readouterr().err.strip().splitlines()

@@ -160,7 +160,7 @@ def killed(self, output_dir):
     return save_rng_state(self, output_dir)
 
 Trainer._save_rng_state = killed
-from convert.cli import exit_with
+from fat5.cli import exit_with
 from fat5.training.pretrain import main
 exit_with(lambda: main(sys.argv[1:]))
 """

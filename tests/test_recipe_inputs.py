@@ -4,15 +4,16 @@ that got as far as loading a model would fail on it instead."""
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from convert.cli import CommandError
-from recipes import classify, predict, summarization, train, translation
-from recipes.data import JsonText, read_table
-from recipes.runner import one_line_worker_errors
+from fat5.cli import CommandError
+from fat5.recipes import classify, predict, summarization, train, translation
+from fat5.recipes.data import JsonText, read_table
+from fat5.recipes.runner import one_line_worker_errors
 
 NO_MODEL = "no-model-is-loaded"
 
@@ -42,10 +43,11 @@ def pairs(tmp_path):
 
 @pytest.fixture
 def model_folder(tmp_path):
-    """Enough of a saved folder for recipes.predict's checks (the model is never loaded here)."""
+    """Enough of a saved folder for fat5.recipes.predict's checks (the model is never loaded here)."""
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text("{}")
+    (folder / "tokenizer_config.json").write_text("{}")
     return folder
 
 
@@ -388,6 +390,14 @@ def test_predict_never_overwrites_its_input_or_a_folder(tmp_path, capsys, pairs,
     assert pairs.read_bytes() == before
     line = error_of(capsys, predict.main, ["--model", model_folder, "--input_file", pairs, "--output_file", tmp_path])
     assert f"--output_file {tmp_path} is a folder" in line
+    # The model folder is an input too: none of its files is replaced (a CSV there, such as a recipe's predictions,
+    # is no file a model loads from).
+    (Path(model_folder) / "tokenizer.json").write_text("{}")
+    model_files = {path: path.read_bytes() for path in Path(model_folder).iterdir() if path.is_file()}
+    for path in (Path(model_folder) / "config.json", Path(model_folder) / "tokenizer.json"):
+        line = error_of(capsys, predict.main, ["--model", model_folder, "--input_file", pairs, "--output_file", path])
+        assert f"--output_file {path} is a file of the --model folder" in line
+    assert {path: path.read_bytes() for path in model_files} == model_files
 
 
 def test_predict_writes_references_as_written(tmp_path, capsys, model_folder, monkeypatch):

@@ -1,4 +1,4 @@
-"""The fine-tuning recipes (recipes/) run end to end on the bundled demo model, converted once per session.
+"""The fine-tuning recipes (fat5/recipes/) run end to end on the bundled demo model, converted once per session.
 
 Each recipe trains a few steps on data written here (generated from word lists; nothing downloaded): the loss
 falls, the metric is computed, the saved folder (and the merged LoRA folder) loads and runs in a fresh interpreter
@@ -22,12 +22,12 @@ import yaml
 from transformers import AutoModelForSeq2SeqLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from conftest import tiny_config
+from fat5.recipes import classify, predict, summarization, train, translation
+from fat5.recipes.runner import fine_tune, training_attention
 from isolated import run_isolated
-from recipes import classify, predict, summarization, train, translation
-from recipes.runner import fine_tune, training_attention
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIGS = REPO / "recipes" / "configs"
+CONFIGS = REPO / "fat5" / "recipes" / "configs"
 SUBJECTS = "cat dog bird fish fox cow hen owl".split()
 VERBS = "sat ran saw ate sang slept".split()
 PLACES = "mat box tree house road hill pond".split()
@@ -204,7 +204,7 @@ def test_train_then_predict_with_generation_flags(demo_fat5, data, tmp_path):
                                                                       "--max_new_tokens", "12"]}.items():
         out_csv = tmp_path / f"{name}.csv"
         process = subprocess.run(
-            [sys.executable, "-m", "recipes.predict", "--model", str(tmp_path / "model"), "--input_file",
+            [sys.executable, "-m", "fat5.recipes.predict", "--model", str(tmp_path / "model"), "--input_file",
              data["double_test"], "--reference_column", "target", "--output_file", str(out_csv), *flags],
             cwd=REPO, capture_output=True, text=True)
         assert process.returncode == 0, process.stderr[-3000:]
@@ -231,7 +231,7 @@ if task == "text2text-generation":
     answers = [o["generated_text"].strip() for o in pipe(prompts, num_beams=1, do_sample=False, max_new_tokens=12)]
 else:
     answers = [o["label"] for o in pipe(prompts)]
-json.dump({"importable": [m for m in ("fat5", "recipes") if importlib.util.find_spec(m)],
+json.dump({"importable": [m for m in ("fat5", "convert") if importlib.util.find_spec(m)],
            "accuracy": sum(a == r["label"] for a, r in zip(answers, rows)) / len(rows)}, open(out, "w"))
 """
     result = run_isolated(code, [folder, task, json.dumps(rows)], cwd)
@@ -387,6 +387,26 @@ def test_generation_max_length_holds_over_the_models_max_new_tokens(demo_fat5, d
     assert max(lengths["bounded"]) <= 2, lengths
 
 
+def test_the_default_log_fits_a_screen(demo_fat5, data, tmp_path):
+    """A recipe run as a user runs it: the model in one line (transformers' info level would print its config at
+    every load and save), each message once (transformers 5.24 repeats a generation warning for every evaluation
+    batch once Seq2SeqTrainer has set the default max_length), no warning about pinned memory on a CPU."""
+    _, args, _ = RECIPES["translation"](demo_fat5, data, str(tmp_path / "out"))
+    process = subprocess.run(
+        [sys.executable, "-m", "fat5.recipes.translation", *args, "--validation_file", data["translation_dev"],
+         "--do_train", "--do_eval",
+         "--max_steps", "2", "--per_device_eval_batch_size", "2", "--report_to", "none", "--disable_tqdm", "true"],
+        cwd=REPO, capture_output=True, text=True)
+    assert process.returncode == 0, process.stderr[-3000:]
+    lines = [line for line in (process.stdout + process.stderr).splitlines() if line.strip()]
+    text = "\n".join(lines)
+    assert '"d_model"' not in text and "Model config" not in text and "pin_memory" not in text, text
+    assert len([line for line in lines if "model: FAT5ForConditionalGeneration from " in line]) == 1, text
+    messages = [line.split(": ", 1)[-1] for line in lines if "WARNING" in line or "warn" in line.lower()]
+    assert len(messages) == len(set(messages)), text
+    assert len(lines) < 40, text
+
+
 def test_ctrl_c_and_the_run_folder(demo_fat5, data, tmp_path, capsys):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it, data-loader workers included) ends a
     training run with one `interrupted:` line saying what the output folder holds, exit status 130. While it runs,
@@ -396,7 +416,7 @@ def test_ctrl_c_and_the_run_folder(demo_fat5, data, tmp_path, capsys):
     base = ["--model_name_or_path", demo_fat5, "--output_dir", str(out), "--train_file", data["double_train"],
             "--do_train", "--save_strategy", "steps", "--save_steps", "1", "--report_to", "none"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "recipes.train", *base, "--max_steps", "100000", "--dataloader_num_workers", "2"],
+        [sys.executable, "-m", "fat5.recipes.train", *base, "--max_steps", "100000", "--dataloader_num_workers", "2"],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 600

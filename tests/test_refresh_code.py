@@ -7,10 +7,10 @@ from unittest import mock
 import pytest
 
 import convert.refresh_code
-from convert.cli import CheckFailed
 from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
 from convert.flan_to_fat5 import main as convert_main
 from convert.refresh_code import main
+from fat5.cli import CheckFailed
 from fat5.compat_fat5 import TESTED_TRANSFORMERS
 from fat5.remote_code_fat5 import flatten_imports, remote_code_files
 from isolated import run_isolated

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import Trainer, TrainingArguments
 
-from convert.cli import CommandError
+from fat5.cli import CommandError
 from fat5.training.run_folder import (
     LOCK_NAME,
     RECORD_NAME,

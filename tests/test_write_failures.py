@@ -20,8 +20,8 @@ from test_pretrain import TINY, log_history, write_corpus
 import convert.export
 from convert import fat5_to_t5, flan_to_fat5
 from convert.demo import DEMO_CHECKPOINT
+from fat5.recipes import train
 from fat5.training import pretrain
-from recipes import train
 
 
 def disk_full_in_open_or_write():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from convert.cli import CommandError
+from fat5.cli import CommandError
 from fat5.remote_code_fat5 import StagedFolder
 
 from .denoising import sentinel_token_ids
@@ -73,10 +73,7 @@ class Documents:
         self.text_field = text_field
         self.dataset = None
         if dataset_name:
-            try:
-                import datasets
-            except ImportError:
-                raise CommandError("--dataset_name needs the datasets library: pip install 'fat5[pretrain]'") from None
+            import datasets  # the "pretrain" extra's (a missing one is one line: fat5/cli.py)
             try:
                 self.dataset = datasets.load_dataset(dataset_name, dataset_config, split=split, streaming=True)
             except (OSError, ValueError) as error:  # offline, unknown name, config or split

@@ -2,9 +2,9 @@
 
 from pathlib import Path
 
-from convert.cli import CommandError, error_line
-from convert.files import check_model_folder, pickles_refused, read_json_object
-from fat5 import FAT5Config, FAT5ForConditionalGeneration
+import fat5
+from fat5.cli import CommandError, error_line
+from fat5.files import check_model_folder, pickles_refused, read_json_object
 
 # T5 v1.1 shapes (gated-GELU, untied LM head); dropout off for pretraining, as nanoT5 and FAT5 do.
 T5_V1_1 = dict(d_kv=64, feed_forward_proj="gated-gelu", tie_word_embeddings=False, dropout_rate=0.0)
@@ -34,7 +34,7 @@ def model_fields(config):
 
 def _config(fields, name):
     try:
-        return FAT5Config(**fields)
+        return fat5.FAT5Config(**fields)
     except (TypeError, ValueError) as error:
         raise CommandError(f"bad model config {name}: {error_line(error)}") from None
 
@@ -47,7 +47,7 @@ def new_model(config, tokenizer, z_loss):
                   eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id)
     if z_loss is not None:
         fields["z_loss"] = z_loss
-    return FAT5ForConditionalGeneration(_config(fields, config))
+    return fat5.FAT5ForConditionalGeneration(_config(fields, config))
 
 
 def checkpoint_config(folder):
@@ -59,7 +59,7 @@ def checkpoint_config(folder):
     check_model_folder(folder)  # before transformers and the tokenizer read them
     config = read_json_object(config_file)
     model_type = config.get("model_type")
-    if model_type != FAT5Config.model_type:
+    if model_type != fat5.FAT5Config.model_type:
         raise CommandError(f"{folder} is not a FAT5 checkpoint (model_type {model_type!r}); convert it first: "
                            f"python -m convert.flan_to_fat5 {folder} OUT")
     return config
@@ -70,7 +70,7 @@ def load_checkpoint(folder, z_loss):
     version's kernels and packing)."""
     checkpoint_config(folder)
     with pickles_refused(f"the weights file of {folder}"):
-        model = FAT5ForConditionalGeneration.from_pretrained(folder)
+        model = fat5.FAT5ForConditionalGeneration.from_pretrained(folder)
     if z_loss is not None:
         model.config.z_loss = z_loss
     return model

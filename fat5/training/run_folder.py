@@ -13,7 +13,7 @@ How a command (pretraining, a recipe) uses it::
     class MyTrainer(RunFolderTrainerMixin, Seq2SeqTrainer):  # atomic checkpoints, marked with the run's id
         pass
 
-    def command(argv, progress):  # run by convert.cli.run(command, argv)
+    def command(argv, progress):  # run by fat5.cli.run(command, argv)
         ...parse, check inputs...
         run_folder = RunFolder(training_args.output_dir, training_args.resume_from_checkpoint,
                                overwrite=training_args.overwrite_output_dir, resume_flag="last",
@@ -54,7 +54,8 @@ What it guarantees:
   the new one is in place.
 - `latest`/`last` resumes this run's last complete checkpoint, or is refused with one line when it has none.
 
-Only the standard library and transformers are imported (`convert.cli` for its error class).
+Only the standard library and transformers are imported (`fat5.cli` for its error class; the flags, in
+`fat5.training.flags`, need only the standard library).
 """
 
 import fcntl
@@ -66,14 +67,15 @@ import sys
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import TrainerCallback
 
-from convert.cli import CommandError, raise_if_interrupted
-from convert.safety import write_failures_reported
+from fat5.cli import CommandError, raise_if_interrupted, write_failures_reported
 from fat5.remote_code_fat5 import put_in_place, remove_stale_staging
+
+from .flags import RunFolderArguments  # the run folder's flags, read before transformers loads
 
 RECORD_NAME = "fat5_run.json"
 LOCK_NAME = ".fat5_run.lock"
@@ -90,21 +92,6 @@ TRAINING_SETTINGS = ("per_device_train_batch_size", "gradient_accumulation_steps
                      "warmup_ratio", "weight_decay", "optim", "optim_args", "adam_beta1", "adam_beta2", "adam_epsilon",
                      "max_grad_norm", "label_smoothing_factor", "bf16", "fp16", "group_by_length",
                      "dataloader_drop_last", "neftune_noise_alpha")
-
-
-@dataclass
-class RunFolderArguments:
-    """The run folder's flags: mix into a TrainingArguments subclass,
-    ``class Options(TrainingArguments, RunFolderArguments)``. (transformers 5 removed --overwrite_output_dir from
-    TrainingArguments; 4.x has the same flag.)"""
-
-    overwrite_output_dir: bool = field(default=False, metadata={
-        "help": "replace the results of another run in --output_dir (what that run wrote is deleted when this run "
-                "starts; a folder also holding files FAT5 did not write is refused); without it such a folder is "
-                "refused"})
-    resume_with_changed_settings: bool = field(default=False, metadata={
-        "help": "with --resume_from_checkpoint: continue the run although settings that shape training differ from "
-                "those it was started with (otherwise refused, naming them)"})
 
 
 @dataclass(frozen=True)
@@ -469,7 +456,7 @@ class RunFolderTrainerMixin:
     """Mixin for transformers' Trainer (``class MyTrainer(RunFolderTrainerMixin, Trainer)``): checkpoints written
     in a staging folder, marked with the run's id and moved into place in one step, then rotated by
     --save_total_limit among this run's complete checkpoints only. A Ctrl-C that Python dropped (see
-    `convert.cli`) stops the run at the next step."""
+    `fat5.cli`) stops the run at the next step."""
 
     def training_step(self, *args, **kwargs):
         raise_if_interrupted()

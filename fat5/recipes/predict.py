@@ -1,7 +1,7 @@
 """Generate with a saved FAT5 folder through `pipeline("text2text-generation", trust_remote_code=True)` and write
 a CSV (source[, reference], prediction); with --reference_column, also print exact-match accuracy.
 
-    python -m recipes.predict --model out/model --input_file test.csv --output_file predictions.csv \\
+    python -m fat5.recipes.predict --model out/model --input_file test.csv --output_file predictions.csv \\
         [--source_column source] [--reference_column target] [--source_prefix "summarize: "] \\
         [--num_beams 4] [--max_new_tokens 64] [--length_penalty 1.0] [--batch_size 16] [--device cpu]
 """
@@ -11,10 +11,12 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from convert.cli import CommandError, error_line, exit_with, run
-from convert.files import check_model_folder, pickles_refused
-from recipes.arguments import FileFormatArguments, require_positive
-from recipes.data import exact_match, read_table, write_predictions
+from fat5 import register_auto_classes
+from fat5.cli import CommandError, error_line, exit_with, require, run, write_failures_reported
+from fat5.files import check_model_folder, check_tokenizer_folder, pickles_refused
+from fat5.recipes.arguments import FileFormatArguments, require_positive
+from fat5.recipes.data import exact_match, read_table, write_predictions
+from fat5.training.flags import CommandFlags
 
 
 @dataclass
@@ -48,6 +50,11 @@ class PredictArguments:
             raise CommandError(f"--output_file {output} is a folder; name a file")
         if output.resolve() == Path(self.input_file).resolve():
             raise CommandError(f"--output_file {output} is the --input_file; writing it would destroy the inputs")
+        # The model folder is read too: no file of it is replaced (a CSV is no file a model folder loads from, such
+        # as the predictions a recipe wrote there).
+        if output.exists() and model.resolve() in output.resolve().parents and output.suffix.lower() != ".csv":
+            raise CommandError(f"--output_file {output} is a file of the --model folder; writing it would destroy "
+                               f"the model: name a file outside it, or a new .csv")
 
 
 def check_device(device):
@@ -68,8 +75,14 @@ def check_device(device):
                            f"{wanted.type} device(s)")
 
 
+FLAGS = CommandFlags("python -m fat5.recipes.predict", __doc__,
+                     [("prediction", PredictArguments), ("data files", FileFormatArguments)])
+
+
 def predict(argv, progress):
-    from recipes.runner import parse_flags  # heavy imports, once Ctrl-C is handled
+    FLAGS.check(argv)
+    require("recipes", "datasets")  # the recipes' runner, which reads the flags
+    from fat5.recipes.runner import parse_flags  # heavy imports, once Ctrl-C is handled
 
     args, format_args = parse_flags((PredictArguments, FileFormatArguments), argv)
     format_args.check_effect([args.input_file])
@@ -83,12 +96,12 @@ def predict(argv, progress):
     if args.device is not None:
         check_device(args.device)
     check_model_folder(args.model)  # before the pipeline reads it
+    check_tokenizer_folder(args.model, "--model")
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
 
     from transformers import pipeline
 
-    from convert.safety import write_failures_reported
-
+    register_auto_classes()  # the folder loads with this installation's FAT5 classes (transformers 5 prefers them)
     with pickles_refused(f"the weights file of {args.model}"):
         generator = pipeline("text2text-generation", model=args.model, trust_remote_code=True, device=args.device)
     outputs = generator([args.source_prefix + text for text in sources], batch_size=args.batch_size,
@@ -104,7 +117,7 @@ def predict(argv, progress):
 
 
 def main(argv=None):
-    return run(predict, argv)
+    return run(predict, argv, extra="recipes")
 
 
 if __name__ == "__main__":

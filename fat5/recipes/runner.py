@@ -1,5 +1,5 @@
 """The one runner of the fine-tuning recipes: flags, data, tokenizer, model (+ LoRA), Trainer, train / evaluate /
-predict, save. A recipe (recipes/arguments.py `Recipe`) adds only how its rows become (input, target) texts, its
+predict, save. A recipe (fat5/recipes/arguments.py `Recipe`) adds only how its rows become (input, target) texts, its
 metric and, for a classification head, the class names.
 
 Every input is read and checked before the model loads, so bad input costs seconds and ends with one `error:` line.
@@ -9,7 +9,7 @@ import json
 import logging
 import sys
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import datasets
@@ -28,9 +28,19 @@ from transformers import (
     TrainingArguments,
 )
 
-from convert.cli import CommandError, Progress, error_line
-from convert.files import CHECKPOINT_JSON, check_model_folder, pickles_refused, read_json_object
-from convert.safety import write_failures_reported
+from fat5 import register_auto_classes
+from fat5.cli import CommandError, Progress, error_line, write_failures_reported
+from fat5.files import (
+    CHECKPOINT_JSON,
+    check_model_folder,
+    check_tokenizer_folder,
+    check_trainer_json_files,
+    pickles_refused,
+    read_json_object,
+)
+from fat5.recipes.arguments import SEQ2SEQ_DEFAULTS, FileFormatArguments, ModelArguments
+from fat5.recipes.data import load_dataset_splits, read_table, write_predictions
+from fat5.training.flags import HelpFormatter
 from fat5.training.run_folder import (
     TRAINING_SETTINGS,
     RunFolder,
@@ -39,8 +49,6 @@ from fat5.training.run_folder import (
     RunInput,
     training_settings,
 )
-from recipes.arguments import FileFormatArguments, ModelArguments
-from recipes.data import load_dataset_splits, read_table, write_predictions
 
 logger = logging.getLogger("recipes")
 SPLITS = {"train": "do_train", "validation": "do_eval", "test": "do_predict"}
@@ -54,7 +62,10 @@ RESUME_ADVICE = "resume from a checkpoint FAT5 wrote instead, or fine-tune its w
 
 @dataclass
 class RecipeSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, RunFolderArguments):
-    pass
+    # The default this runner uses (train_evaluate_predict), not the one transformers' help names.
+    generation_max_length: int | None = field(default=None, metadata={
+        "help": "longest generation in evaluation and prediction, in tokens (default: the model's generation "
+                "config when it sets max_new_tokens, else --max_target_length)"})
 
 
 @dataclass
@@ -68,8 +79,24 @@ class RecipeTrainer(RunFolderTrainerMixin, Trainer):
 
 class RecipeParser(HfArgumentParser):
     def error(self, message):
-        # One `error:` line from convert.cli.run rather than argparse's usage dump.
+        # One `error:` line from fat5.cli.run rather than argparse's usage dump.
         raise CommandError(f"{message} (see --help)")
+
+
+def recipe_dataclasses(recipe):
+    """The dataclasses of a recipe's flags, in --help's order, and the Trainer defaults it changes."""
+    training_class = RecipeSeq2SeqTrainingArguments if recipe.seq2seq else RecipeTrainingArguments
+    return ((ModelArguments, recipe.data_arguments, FileFormatArguments, training_class),
+            SEQ2SEQ_DEFAULTS if recipe.seq2seq else {})
+
+
+def recipe_parser(recipe, prog=None, description=None, usage=None):
+    """The HfArgumentParser of a recipe's flags, for --help-all."""
+    dataclass_types, defaults = recipe_dataclasses(recipe)
+    parser = RecipeParser(dataclass_types, prog=prog, description=description, usage=usage,
+                          formatter_class=HelpFormatter)
+    parser.set_defaults(**defaults)
+    return parser
 
 
 def parse_flags(dataclass_types, argv, **defaults):
@@ -79,7 +106,10 @@ def parse_flags(dataclass_types, argv, **defaults):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         if len(argv) == 1 and argv[0].endswith(".json"):
-            return parser.parse_dict({**defaults, **read_json_object(argv[0], "the flags file ")})
+            flags = read_json_object(argv[0], "the flags file ")
+            check_trainer_json_files(flags)
+            return parser.parse_dict({**defaults, **flags})
+        check_trainer_json_files(argv)
         return parser.parse_args_into_dataclasses(argv)
     except ValueError as error:  # unknown flags, and TrainingArguments' own checks
         raise CommandError(error_line(error)) from None
@@ -92,7 +122,7 @@ def check_flags(recipe, data_args, format_args, training_args, classes):
             if getattr(training_args, flag):
                 raise CommandError(f"--{flag} has no effect without --do_train")
     if not recipe.seq2seq and training_args.do_predict:
-        raise CommandError("--do_predict: this recipe does not predict; run recipes.predict on the saved folder")
+        raise CommandError("--do_predict: this recipe does not predict; run fat5.recipes.predict on the saved folder")
     for split, do_flag in SPLITS.items():
         if getattr(training_args, do_flag):
             continue
@@ -131,12 +161,36 @@ def load_splits(data_args, format_args, training_args):
     return tables
 
 
+class OnceEach(logging.Filter):
+    """Lets each message through once: transformers repeats some warnings for every batch (on 5.24, generate()'s
+    "Both `max_new_tokens` and `max_length` seem to have been set" once Seq2SeqTrainer has put the default
+    max_length into the model's generation config)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def filter(self, record):
+        key = (record.name, record.levelno, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
 def setup_logging(training_args):
-    """Console logging as in transformers' examples."""
-    level = logging.INFO if training_args.should_log else logging.WARNING
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S", level=level)
-    transformers.utils.logging.set_verbosity(level)
+    """Console logging that fits a screen: the runner's own lines, and transformers' at --log_level (by default
+    its warnings only: its info level prints every config it loads or saves; `--log_level info` shows them), each
+    message once."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logger.setLevel(logging.INFO if training_args.should_log else logging.WARNING)
+    transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
     transformers.utils.logging.enable_default_handler()
+    once = OnceEach()  # a new one each run
+    for handler in transformers.utils.logging.get_logger().handlers:  # transformers' own (its default handler)
+        for earlier in [each for each in handler.filters if isinstance(each, OnceEach)]:
+            handler.removeFilter(earlier)
+        handler.addFilter(once)
     transformers.set_seed(training_args.seed)
 
 
@@ -207,6 +261,13 @@ def training_attention(config, device):
     names = {"triton": "FAT5's Triton kernel", "sdpa": "SDPA", "eager": "the eager reference"}
     return (f"attention in training: {names.get(backend, backend)} on {device.type}, attention dropout "
             f"{config.attention_dropout_rate:g} (config.attention_dropout_rate)")
+
+
+def model_line(model, source):
+    """The model in one line (transformers' info level prints its whole config, at every load and save)."""
+    return (f"model: {type(model).__name__} from {source}, {model.num_parameters() / 1e6:.1f}M parameters "
+            f"({model.num_parameters(only_trainable=True) / 1e6:.1f}M trained), d_model {model.config.d_model}, "
+            f"vocabulary {model.config.vocab_size}")
 
 
 class RecipeSeq2SeqTrainer(RunFolderTrainerMixin, Seq2SeqTrainer):
@@ -315,10 +376,8 @@ def fine_tune(recipe, argv=None, progress=None):
     """Run a recipe with command-line flags `argv`; returns the Trainer. A training run owns its --output_dir
     for its lifetime (fat5/training/run_folder.py); evaluation and prediction only add their results to it."""
     progress = progress or Progress()
-    training_class = RecipeSeq2SeqTrainingArguments if recipe.seq2seq else RecipeTrainingArguments
-    model_args, data_args, format_args, training_args = parse_flags(
-        (ModelArguments, recipe.data_arguments, FileFormatArguments, training_class), argv,
-        **({"predict_with_generate": True} if recipe.seq2seq else {}))
+    dataclass_types, defaults = recipe_dataclasses(recipe)
+    model_args, data_args, format_args, training_args = parse_flags(dataclass_types, argv, **defaults)
     classes = recipe.classes(data_args) if recipe.classes else None
     if classes is not None:
         training_args.predict_with_generate = False
@@ -328,6 +387,7 @@ def fine_tune(recipe, argv=None, progress=None):
     if recipe.check_training and "train" in tables:
         recipe.check_training(tables["train"], examples["train"][1], data_args)
     check_model_folder(model_args.model_name_or_path)  # before transformers and the tokenizer read it
+    check_tokenizer_folder(model_args.model_name_or_path, "--model_name_or_path")
     run_folder = None
     if training_args.do_train:
         run_folder = RunFolder(training_args.output_dir, training_args.resume_from_checkpoint,
@@ -391,9 +451,15 @@ def train_evaluate_predict(recipe, model_args, data_args, training_args, classes
     if resume:
         check_model_folder(resume, also=CHECKPOINT_JSON)  # before Trainer reads them
     setup_logging(training_args)
+    if training_args.device.type == "cpu":
+        # Pinned memory only speeds up copies to an accelerator; on the CPU torch ignores it, with a warning for
+        # every data loader.
+        training_args.dataloader_pin_memory = False
+    register_auto_classes()  # the folder loads with this installation's FAT5 classes (transformers 5 prefers them)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
     encoded = {split: encode(tokenizer, *examples[split], data_args, classes, tables[split]) for split in tables}
     model = load_model(model_args, training_args, classes)
+    logger.info(model_line(model, model_args.model_name_or_path))
     if training_args.do_train and (line := training_attention(model.config, training_args.device)):
         logger.info(line)
     generates = recipe.seq2seq and classes is None and training_args.predict_with_generate

@@ -1,4 +1,4 @@
-"""The user's JSON and text files, read under the command-line convention (convert/cli.py): a file that is missing,
+"""The user's JSON and text files, read under the command-line convention (fat5/cli.py): a file that is missing,
 a folder, unreadable, not UTF-8 or not JSON is one `CommandError` naming the file, and the line where it can.
 
 transformers, tokenizers and the Trainer read the JSON files of a model folder themselves, and a bad one reaches the
@@ -7,7 +7,7 @@ belongs, safetensors' error for truncated weights), or is silently skipped (a ba
 `check_model_folder` reads those files first.
 Refused pickles are said here too, once, in words that never suggest loading them unsafely.
 
-Only the standard library is imported with this module (see convert/cli.py); the checks of weight files import
+Only the standard library is imported with this module (see fat5/cli.py); the checks of weight files import
 safetensors and torch when they run.
 """
 
@@ -16,7 +16,7 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 
-from convert.cli import CommandError, error_line
+from fat5.cli import CommandError, error_line
 
 # The JSON files of a model folder that transformers (4.57 and 5.x), tokenizers or PEFT parse when they load it.
 MODEL_FOLDER_JSON = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -102,6 +102,42 @@ def check_model_folder(folder, also=()):
     for model in SENTENCEPIECE_MODELS:
         if (folder / model).exists():
             check_sentencepiece(folder / model)
+
+
+# TrainingArguments' flags that may name a JSON file, which it reads itself (they also take a dict, or DeepSpeed's
+# base64 string): its errors for a bad file name neither the file nor the flag.
+TRAINER_JSON_FLAGS = ("deepspeed", "fsdp_config", "accelerator_config")
+
+
+def check_trainer_json_files(flags):
+    """Read first, with one line per bad file, the JSON files that TrainingArguments' flags name: `flags` is a
+    command line (a list of strings) or a flags file's dict."""
+    if isinstance(flags, dict):
+        named = [(name, flags.get(name)) for name in TRAINER_JSON_FLAGS]
+    else:
+        named = []
+        for index, arg in enumerate(flags):
+            flag, equals, value = arg.partition("=")
+            name = flag[2:].replace("-", "_") if flag.startswith("--") else None
+            if name in TRAINER_JSON_FLAGS:
+                named.append((name, value if equals else (flags[index + 1] if index + 1 < len(flags) else None)))
+    for name, value in named:
+        if isinstance(value, str) and not value.lstrip().startswith("{") \
+                and (value.endswith(".json") or Path(value).exists()):
+            read_json_object(value, f"the --{name} file ")
+
+
+# The files AutoTokenizer needs in a folder to know which tokenizer it holds (a sentencepiece model alone names no
+# class for a FAT5 config).
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
+
+def check_tokenizer_folder(folder, what, advice="copy the tokenizer files of the model it comes from into it"):
+    """Refuse, in one line, a local folder without a tokenizer: AutoTokenizer's own error for it is a multi-line
+    ValueError that asks to install sentencepiece, which is installed. `what` names the flag ("--model")."""
+    folder = Path(folder)
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise CommandError(f"{what} {folder} holds no tokenizer ({' or '.join(TOKENIZER_FILES)}): {advice}")
 
 
 # The sentencepiece models of T5-family tokenizers (T5 and ByT5's spiece.model; mT5 and umT5 ship one too).

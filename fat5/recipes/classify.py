@@ -4,7 +4,7 @@ folder serves `pipeline("text2text-generation", trust_remote_code=True)`); `--he
 FAT5ForSequenceClassification (encoder, mean pooling, linear head) on the same data for comparison. With
 --do_predict, OUTPUT_DIR/predictions.csv holds (source, reference, prediction) for both heads.
 
-    python -m recipes.classify --model_name_or_path ./fat5-demo --output_dir out/nli --head text \\
+    python -m fat5.recipes.classify --model_name_or_path ./fat5-demo --output_dir out/nli --head text \\
         --train_file train.jsonl --validation_file dev.jsonl --do_train --do_eval [--lora]
 
 A label is a name in --classes, as written (" neutral" is not "neutral"); a JSON integer (or, in a CSV, a number
@@ -17,9 +17,10 @@ another.
 import json
 from dataclasses import dataclass, field
 
-from convert.cli import CommandError, exit_with
-from recipes.arguments import DataArguments, Recipe, recipe_main
-from recipes.data import exact_match
+from fat5.cli import CommandError, exit_with
+from fat5.recipes.arguments import DataArguments, Recipe
+from fat5.recipes.command import recipe_main
+from fat5.recipes.data import exact_match
 
 
 @dataclass
@@ -95,7 +96,7 @@ def classifier_classes(data_args):
 
 RECIPE = Recipe(examples=prompts_and_labels, score=exact_match, classes=classifier_classes,
                 check_training=every_class_trained, data_arguments=ClassificationArguments)
-main = recipe_main(RECIPE)
+main = recipe_main(RECIPE, "classify", __doc__)
 
 if __name__ == "__main__":
     exit_with(main)

@@ -1,18 +1,18 @@
-"""The recipes' own flags, what a recipe adds to the one runner (recipes/runner.py), and their entry point.
+"""The recipes' own flags and what a recipe adds to the one runner (fat5/recipes/runner.py).
 
 Every recipe parses these dataclasses plus transformers' `Seq2SeqTrainingArguments` (or `TrainingArguments`) with
 `HfArgumentParser`, so all Trainer flags (--output_dir, --max_steps, --bf16, --gradient_checkpointing,
 --deepspeed, --fsdp, ...) pass through unchanged.
 
-Only the standard library is imported here (recipes/data.py uses no more): a recipe's module imports this one,
-and torch, transformers and datasets load inside `convert.cli.run`, where Ctrl-C is handled.
+Only the standard library is imported here (fat5/recipes/data.py uses no more), so that a recipe's command
+(fat5/recipes/command.py) reads and checks these flags before torch, transformers and datasets load.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
-from convert.cli import CommandError, run
-from recipes.data import MAX_FIELD_CHARS, TSV_QUOTING
+from fat5.cli import CommandError
+from fat5.recipes.data import MAX_FIELD_CHARS, TSV_QUOTING
 
 # FAT5's parameter names are T5's: attention projections and (gated) feed-forward layers.
 FAT5_LORA_TARGETS = "q,k,v,o,wi_0,wi_1,wo"
@@ -78,7 +78,7 @@ class DataArguments:
 
 @dataclass
 class FileFormatArguments:
-    """How data files are read (recipes/data.py), by every recipe and recipes.predict."""
+    """How data files are read (fat5/recipes/data.py), by every recipe and fat5.recipes.predict."""
 
     tsv_quoting: str = field(default="none", metadata={
         "help": "none: a .tsv is TSV, one row a line, fields split at tabs, quote characters kept as data; csv: "
@@ -111,13 +111,15 @@ def source_target(table, data_args):
 class Recipe:
     """What a recipe adds to the runner.
 
-    examples(table, data_args) -> (input texts, target texts) of a split (a recipes.data Table).
+    examples(table, data_args) -> (input texts, target texts) of a split (a fat5.recipes.data Table).
     score(predictions, references) -> {metric: value}, on texts.
     classes(data_args) -> the label names when the recipe trains a classification head (targets are then one of
         them), or None when the model writes its targets.
     check_training(table, targets, data_args): refuses training rows the recipe cannot learn from as they are
         (classification: a class no training row holds), before the model loads.
     seq2seq: Seq2SeqTrainer and its flags, generating for evaluation; False: the plain Trainer, no --do_predict.
+    libraries: what the recipe imports of the "recipes" extra besides Trainer's accelerate and datasets (its
+        metric's library), checked before anything runs.
     """
 
     examples: Callable = source_target
@@ -126,15 +128,8 @@ class Recipe:
     check_training: Callable | None = None
     data_arguments: type = DataArguments
     seq2seq: bool = True
+    libraries: tuple = ()
 
 
-def recipe_main(recipe):
-    """The recipe's `main(argv=None)`: the runner under convert/cli.py's convention, returning the exit status."""
-    def command(argv, progress):
-        from recipes.runner import fine_tune  # heavy imports, once Ctrl-C is handled
-
-        fine_tune(recipe, argv, progress)
-
-    def main(argv=None):
-        return run(command, argv)
-    return main
+# The Trainer defaults a seq2seq recipe changes: evaluation and --do_predict generate (and score the texts).
+SEQ2SEQ_DEFAULTS = {"predict_with_generate": True}

@@ -2,7 +2,7 @@
 column or a file that is not UTF-8 is an error naming the file and line, never a merged, dropped or re-typed row.
 Every byte of a value is kept: nothing is stripped, unquoted (a .tsv is TSV, not CSV) or normalised.
 
-Standard library only, with convert.files (which is too; see recipes/arguments.py): `datasets` is imported only for
+Standard library only, with fat5.files (which is too; see fat5/recipes/arguments.py): `datasets` is imported only for
 --dataset_name.
 """
 
@@ -13,8 +13,8 @@ import re
 from array import array
 from pathlib import Path
 
-from convert.cli import CommandError, error_line
-from convert.files import open_binary
+from fat5.cli import CommandError, error_line
+from fat5.files import open_binary
 
 FORMATS = (".csv", ".tsv", ".json", ".jsonl")
 # How a .tsv is read: "none", as TSV (IANA text/tab-separated-values); "csv", with CSV quote rules.

@@ -1,0 +1,271 @@
+"""The command-line convention of every FAT5 command: both converters, pretraining and the recipes.
+
+- Bad input or a refused request (`CommandError`, an `OSError` on the user's files, an argparse usage error):
+  one line `error: ...` on stderr, exit status 2 (`EXIT_BAD_INPUT`).
+- A self-check that found the command's own result wrong (`CheckFailed`: a conversion's logits parity, the demo's
+  answers): one line `error: ...`, exit status 1 (`EXIT_CHECK_FAILED`).
+- Output that cannot be written (`WriteFailed`: a full disk during a checkpoint or an export): one line
+  `error: writing ... failed (...); <what the output folder holds>`, exit status 2.
+- Ctrl-C at any moment, imports included: one line `interrupted: <what the output folder holds>` on stderr,
+  exit status 130 (`EXIT_INTERRUPTED`). SIGTERM (`kill`, a job scheduler, a container stopping) is handled the
+  same way, with `terminated: ...` and exit status 143 (`EXIT_TERMINATED`).
+- An optional library the command needs is not installed (an extra of pyproject.toml): one line naming the
+  `pip install "fat5[EXTRA]"` that installs it, exit status 2.
+- Anything else is a bug in FAT5 and keeps its traceback.
+
+Only the standard library is imported here (and `fat5/__init__.py` imports nothing until a model class is asked
+for), so an entry point catches Ctrl-C while torch and transformers are still being imported, and answers --help
+and bad flags without them. Nothing in a checkpoint folder needs this module: it is never exported.
+"""
+
+import argparse
+import errno
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+
+EXIT_CHECK_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process SIGTERM ended
+# The signals `run` handles: the word of its one line, and its exit status.
+STOPPED_BY = {signal.SIGINT: ("interrupted", EXIT_INTERRUPTED), signal.SIGTERM: ("terminated", EXIT_TERMINATED)}
+
+
+class CommandError(Exception):
+    """Bad input or an impossible request: printed as one `error:` line, exit status 2."""
+
+
+class CheckFailed(CommandError):
+    """The command checked its own result and found it wrong: one `error:` line, exit status 1."""
+
+
+class WriteFailed(CommandError):
+    """Writing the command's output failed (a full disk, a quota, a lost mount): one `error:` line that goes on to
+    say what the output folder holds, exit status 2."""
+
+
+# The extras of pyproject.toml a command may need, with the import names of the libraries each installs (a test holds
+# this to pyproject.toml). A library several extras install is reported as the running command's extra.
+EXTRAS = {
+    "recipes": ("accelerate", "datasets", "sacrebleu", "rouge_score", "peft"),
+    "pretrain": ("accelerate", "datasets"),
+    "onnx": ("optimum", "onnxruntime"),
+    "ct2": ("ctranslate2",),
+    "liger": ("liger_kernel",),
+    "triton": ("triton",),
+}
+
+
+class MissingExtra(CommandError):
+    """An optional library the command needs is not installed: one `error:` line with the pip command that installs
+    it, exit status 2."""
+
+    def __init__(self, module, extra):
+        super().__init__(f'{module} is not installed; this command needs FAT5\'s "{extra}" extra: '
+                         f'pip install "fat5[{extra}]"')
+
+
+def extra_providing(module, extra=None):
+    """The extra that installs the library imported as `module` (a dotted name counts as its top level): the
+    command's own `extra` when that one does, else the first that does; None for a library no extra installs."""
+    top = module.partition(".")[0]
+    if extra is not None and top in EXTRAS[extra]:
+        return extra
+    return next((name for name, modules in EXTRAS.items() if top in modules), None)
+
+
+def require(extra, *modules):
+    """Raise MissingExtra for the first of `modules` (import names of `extra`'s libraries) that is not installed:
+    before the command imports them or spends time on its work."""
+    for module in modules:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ValueError:  # imported without a spec: it is there
+            found = True
+        if not found:
+            raise MissingExtra(module, extra_providing(module, extra))
+
+
+def missing_extra(error, extra=None):
+    """The MissingExtra an error stands for: a ModuleNotFoundError of a library an extra installs, or an error raised
+    from one (a library's own ImportError saying what it lacks); None for any other."""
+    while error is not None:
+        module = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
+        if module and extra_providing(module, extra) is not None:
+            return MissingExtra(module.partition(".")[0], extra_providing(module, extra))
+        error = error.__cause__
+    return None
+
+
+class CliParser(argparse.ArgumentParser):
+    def error(self, message):
+        # One line, no usage dump: bad input gets one clear error line.
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class Progress:
+    """What the command has done to the user's files so far, printed when it stops early. A command replaces
+    `describe` once it has an output (e.g. with the converter's AtomicOutput.describe)."""
+
+    def __init__(self):
+        self.describe = lambda: "nothing was written"
+
+
+def error_line(error):
+    """The first line of an exception's message (a library's multi-line message becomes one line)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+# torch.save's zip writer (PyTorchStreamWriter, inline_container.cc) fails with a RuntimeError that names no errno.
+TORCH_WRITER_FAILED = re.compile(r"PytorchStreamWriter|inline_container\.cc")
+
+
+def write_failure(error, folder=None):
+    """Why a write failed, in a few words, when `error` is what a failed write raises, else None: an OSError from
+    the system (ENOSPC: "No space left on device"; not one a library raises with a message only, such as
+    transformers' missing files), safetensors' SafetensorError, or torch.save's RuntimeError, which names no cause
+    (the OSError behind it when torch kept it, else the free space left in `folder`)."""
+    from safetensors import SafetensorError
+
+    if isinstance(error, OSError) and error.errno is not None:
+        reason = error.strerror or error_line(error)
+        return f"{reason}: {error.filename}" if error.filename and error.errno != errno.ENOSPC else reason
+    if isinstance(error, SafetensorError) and "serializ" in str(error):
+        return error_line(error).removeprefix("Error while serializing: ")
+    if isinstance(error, RuntimeError) and TORCH_WRITER_FAILED.search(str(error)):
+        return write_failure(error.__context__) or f"torch could not write a file{_free_space(folder)}"
+    return None
+
+
+def _free_space(folder):
+    try:
+        return f", {shutil.disk_usage(folder).free / 2**20:.1f} MiB free on its disk" if folder is not None else ""
+    except OSError:
+        return ""
+
+
+@contextmanager
+def write_failures_reported(what, folder=None):
+    """A write that fails inside the block (a full disk, a quota, a read-only or lost mount) ends the command with
+    one WriteFailed line naming `what` (written into `folder`); every other error passes unchanged."""
+    try:
+        yield
+    except Exception as error:
+        reason = write_failure(error, folder)
+        if reason is None:
+            raise
+        raise WriteFailed(f"writing {what} failed ({reason})") from error
+
+
+# The Ctrl-Cs and SIGTERMs the running command's main process received. Remembered rather than only raised: some
+# libraries turn an interruption during their imports into another error, and Python drops an exception raised
+# while it runs a `__del__` or a weakref callback (printing "Exception ignored ..."), after which the command would
+# go on.
+_interruptions = []
+
+
+def raise_if_interrupted():
+    """Raise the KeyboardInterrupt of a Ctrl-C (or SIGTERM) that Python dropped. Long loops call it at safe points
+    (the Trainers' steps, fat5/training/run_folder.py), and `run` calls it when the command returns."""
+    if _interruptions:
+        raise KeyboardInterrupt
+
+
+def run(command, argv=None, extra=None):
+    """Call `command(argv, progress)`; return its exit status under the convention above. `extra`: the extra of
+    pyproject.toml the command belongs to, named when one of its libraries is missing."""
+    progress = Progress()
+    main_process = os.getpid()
+    _interruptions.clear()
+
+    def on_signal(number, frame):
+        _interruptions.append(number)
+        if os.getpid() == main_process:
+            if number == signal.SIGTERM:
+                # A SIGTERM to the process group also ends the DataLoader workers, and torch's SIGCHLD handler would
+                # report each end as an error wherever this process then is, even while it prints its one line or
+                # exits: they are expected now. (Left so: the command is over.)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            # SIGTERM raises KeyboardInterrupt too, so that every clean-up written for a Ctrl-C runs for it
+            # (staging folders, progress bars, the run folder's lock); `stopped` tells them apart.
+            raise KeyboardInterrupt
+        if number == signal.SIGTERM:
+            # A forked child told to end (by its main process, or with its whole process group) ends at once and
+            # without a word, as SIGTERM's default action does; its main process says what happened. (torch's
+            # DataLoader workers replace this handler with their own, which does the same.)
+            signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
+        # A forked data-loader worker inherits this handler and, in the terminal's process group, gets the same
+        # Ctrl-C: it carries on until its main process, interrupted, stops it.
+
+    def stopped():
+        word, status = STOPPED_BY[_interruptions[0] if _interruptions else signal.SIGINT]
+        print(f"{word}: {progress.describe()}", file=sys.stderr)
+        return status
+
+    def on_unraisable(report):
+        # The dropped KeyboardInterrupt of a Ctrl-C is raised again by raise_if_interrupted: no traceback for it. Nor
+        # for what a finaliser finds broken by the signal once one arrived, such as a DataLoader iterator whose
+        # workers the process group's SIGTERM ended ("DataLoader worker ... is killed by signal: Terminated").
+        if not _interruptions:
+            previous_unraisable(report)
+
+    def on_uncaught(exc_type, *exc_info):
+        # In a forked worker after a Ctrl-C, what it broke is no bug to report: a worker's thread handing a batch to
+        # its main process, which the Ctrl-C interrupted, reports the closed connection through sys.excepthook. The
+        # same report comes when only the main process got the signal (`kill PID`): a connection its main process
+        # closed is never a forked worker's to report.
+        forked = os.getpid() != main_process
+        if not (forked and (_interruptions or issubclass(exc_type, ConnectionError))):
+            previous_excepthook(exc_type, *exc_info)
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = {number: signal.signal(number, on_signal) for number in STOPPED_BY} if in_main_thread else {}
+    previous_unraisable, sys.unraisablehook = sys.unraisablehook, on_unraisable
+    previous_excepthook, sys.excepthook = sys.excepthook, on_uncaught
+    try:
+        command(argv, progress)
+        raise_if_interrupted()
+    except KeyboardInterrupt:
+        return stopped()
+    except Exception as error:
+        if _interruptions:
+            return stopped()
+        error = missing_extra(error, extra) or error
+        if not isinstance(error, (CommandError, OSError)):
+            raise
+        line = error_line(error)
+        if isinstance(error, WriteFailed):
+            line = f"{line}; {progress.describe()}"
+        print(f"error: {line}", file=sys.stderr)
+        return EXIT_CHECK_FAILED if isinstance(error, CheckFailed) else EXIT_BAD_INPUT
+    finally:
+        _interruptions.clear()
+        sys.unraisablehook, sys.excepthook = previous_unraisable, previous_excepthook
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    return 0
+
+
+def exit_with(main):
+    """`sys.exit(main())`, with a Ctrl-C or SIGTERM after main returned (or while Python shuts down) ignored: the
+    command is over, and its exit status says how it ended."""
+    try:
+        code = main()
+    except KeyboardInterrupt:  # raised between main's own handler and here
+        print("interrupted", file=sys.stderr)
+        code = EXIT_INTERRUPTED
+    for number in STOPPED_BY:
+        signal.signal(number, signal.SIG_IGN)
+    if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+        # Objects Python finalises as it exits report what the signal broke (as `run`'s hook says): the one line
+        # has been printed.
+        sys.unraisablehook = lambda report: None
+    sys.exit(code)

@@ -1,0 +1,103 @@
+"""`fat5`, the one console command: `fat5 COMMAND [ARGS]` runs the module each command names with ARGS, exactly as
+`python -m MODULE ARGS` does (same flags, output and exit status; `python -m` keeps working).
+
+Only the standard library is imported until a command runs, so `fat5 --help` and a mistyped command answer at once.
+The commands are the modules above the model package (the converters in `convert/`, the recipes, pretraining); this
+launcher names them as strings and imports the one asked for, nothing else.
+"""
+
+import importlib
+import os
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from fat5.cli import EXIT_BAD_INPUT, exit_with
+
+# command: (module run with the arguments, what it does). In --help's order.
+COMMANDS = {
+    "convert": ("convert.flan_to_fat5", "convert a T5 / FLAN-T5 / mT5 / umT5 / ByT5 checkpoint to FAT5 (no arguments: "
+                                        "the bundled demo model)"),
+    "to-t5": ("convert.fat5_to_t5", "convert a FAT5 checkpoint back to transformers' T5 / mT5 / umT5"),
+    "refresh-code": ("convert.refresh_code", "give a FAT5 folder written by an earlier FAT5 this FAT5's code"),
+    "onnx": ("convert.onnx_fat5", "export a FAT5 folder to ONNX with optimum (the \"onnx\" extra)"),
+    "ct2": ("convert.ct2_fat5", "convert a FAT5 folder to a CTranslate2 model (the \"ct2\" extra)"),
+    "pretrain": ("fat5.training.pretrain", "pretrain or continue pretraining with T5/UL2 denoising (\"pretrain\" "
+                                           "extra)"),
+    "train": ("fat5.recipes.train", "fine-tune on (source, target) pairs with Trainer (\"recipes\" extra)"),
+    "translation": ("fat5.recipes.translation", "fine-tune and score translation with BLEU and chrF (\"recipes\" "
+                                                "extra)"),
+    "summarization": ("fat5.recipes.summarization", "fine-tune and score summarisation with ROUGE (\"recipes\" extra)"),
+    "classify": ("fat5.recipes.classify", "fine-tune a classifier, as text or with a classification head "
+                                          "(\"recipes\" extra)"),
+    "predict": ("fat5.recipes.predict", "generate with a saved folder into a CSV (\"recipes\" extra)"),
+    "bench": (None, "run a script of benchmarks/ (a source checkout only: the scripts are not in the wheel)"),
+}
+PROG = "fat5"
+# The benchmarks live beside the package in a source checkout (an editable install), never in the wheel.
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def help_text():
+    width = max(map(len, COMMANDS))
+    lines = [f"usage: {PROG} COMMAND [ARGS]   ({PROG} COMMAND --help: the command's flags)", "",
+             "FAT5: T5-family models with the relative position bias inside a flash-attention kernel.", "",
+             "commands:"]
+    lines += [f"  {name:<{width}}  {about}" for name, (_, about) in COMMANDS.items()]
+    lines += ["", f"Each command is also `python -m MODULE`, e.g. `{PROG} convert` = `python -m convert.flan_to_fat5`."]
+    return "\n".join(lines)
+
+
+def fail(message):
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def benchmark_scripts():
+    return sorted(path.stem for path in BENCHMARKS.glob("*.py") if path.stem != "common")
+
+
+def bench(argv):
+    """Run benchmarks/SCRIPT.py ARGS with this interpreter, in place of this process."""
+    if not (BENCHMARKS / "common.py").is_file():
+        return fail(f"bench runs the scripts in benchmarks/ of a FAT5 source checkout, and this installation has "
+                    f"none (the wheel holds only the package): clone the repository, `pip install -e .` there and run "
+                    f"`{PROG} bench SCRIPT` (or `python benchmarks/SCRIPT.py`)")
+    scripts = benchmark_scripts()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: {PROG} bench SCRIPT [ARGS]   (runs python {BENCHMARKS}/SCRIPT.py ARGS; SCRIPT --help: its "
+              f"flags)\nscripts: {', '.join(scripts)}")
+        return 0 if argv else EXIT_BAD_INPUT
+    name = argv[0].removesuffix(".py")
+    if name not in scripts:
+        return fail(f"bench: no script {argv[0]!r} in {BENCHMARKS}; choose one of {', '.join(scripts)}")
+    script = BENCHMARKS / f"{name}.py"
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, str(script), *argv[1:]])
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        return fail(f"name a command: {', '.join(COMMANDS)} (see {PROG} --help)")
+    command, rest = argv[0], argv[1:]
+    if command in ("-h", "--help"):
+        print(help_text())
+        return 0
+    if command == "--version":
+        try:
+            print(f"{PROG} {version('fat5')}")
+        except PackageNotFoundError:
+            print(f"{PROG} (not installed: run from a source checkout)")
+        return 0
+    if command not in COMMANDS:
+        return fail(f"unknown command {command!r}; choose one of {', '.join(COMMANDS)} (see {PROG} --help)")
+    module_name = COMMANDS[command][0]
+    if module_name is None:
+        return bench(rest)
+    return importlib.import_module(module_name).main(rest)
+
+
+def console_main():
+    """The `fat5` console script (pyproject.toml's [project.scripts])."""
+    exit_with(main)

@@ -1,0 +1,183 @@
+"""The `fat5` command and every command it runs: `--help` lists the command's own flags and answers before torch and
+transformers load (the Trainer's flags behind --help-all), as does a bad flag's one `error:` line; a missing
+optional library is one line naming the `pip install "fat5[EXTRA]"` that installs it, exit status 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fat5.cli import EXIT_BAD_INPUT, run
+from fat5.commands import COMMANDS
+
+REPO = Path(__file__).resolve().parent.parent
+# Commands that run a Python module (bench runs a script of benchmarks/).
+MODULE_COMMANDS = [name for name, (module, _) in COMMANDS.items() if module is not None]
+# What each command imports until it has read its flags: the standard library and FAT5's light modules.
+HEAVY = ("torch", "transformers", "datasets", "accelerate")
+
+
+def fat5_in_process(argv, hidden=(), env=None):
+    """Run `fat5 ARGV` (fat5.commands.main) in a fresh interpreter with the modules `hidden` made unimportable;
+    returns (exit status, stdout, stderr, the heavy modules it imported)."""
+    code = f"""
+import json, sys
+for name in {list(hidden)!r}:
+    sys.modules[name] = None  # "No module named ...": the library is not installed
+from fat5.commands import main
+try:
+    status = main({list(map(str, argv))!r})
+except SystemExit as exit:
+    status = exit.code or 0
+sys.stdout.flush()
+print(json.dumps({{"status": status, "heavy": [m for m in {list(HEAVY)!r} if sys.modules.get(m)]}}),
+      file=sys.stderr)
+"""
+    process = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
+                             env=env)
+    *err, result = process.stderr.strip().splitlines()
+    result = json.loads(result)
+    return result["status"], process.stdout, "\n".join(err), result["heavy"]
+
+
+def test_fat5_help_lists_every_command_in_one_line_each():
+    process = subprocess.run([sys.executable, "-m", "fat5", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert process.returncode == 0
+    lines = process.stdout.splitlines()
+    for name in COMMANDS:
+        assert len([line for line in lines if line.split()[:1] == [name]]) == 1, name
+
+
+@pytest.mark.parametrize("argv, says", [
+    ([], "fat5: error: name a command: convert, to-t5"),
+    (["nope"], "fat5: error: unknown command 'nope'; choose one of convert"),
+    (["bench", "nope"], "fat5: error: bench: no script 'nope'"),
+])
+def test_a_wrong_command_is_one_line(argv, says):
+    process = subprocess.run([sys.executable, "-m", "fat5", *argv], cwd=REPO, capture_output=True, text=True)
+    assert process.returncode == EXIT_BAD_INPUT
+    assert len(process.stderr.splitlines()) == 1 and process.stderr.startswith(says), process.stderr
+
+
+def test_the_console_script_runs_the_command_python_m_runs():
+    script = Path(sys.executable).parent / "fat5"
+    if not script.exists():
+        pytest.skip("FAT5 is not installed in this interpreter's environment (no `fat5` script)")
+    ours = subprocess.run([str(script), "to-t5", "--help"], capture_output=True, text=True)
+    theirs = subprocess.run([sys.executable, "-m", "convert.fat5_to_t5", "--help"], capture_output=True, text=True)
+    assert ours.returncode == theirs.returncode == 0 and ours.stdout == theirs.stdout
+
+
+@pytest.mark.parametrize("command", MODULE_COMMANDS)
+def test_help_and_a_bad_flag_answer_before_torch_and_transformers_load(command):
+    status, out, err, heavy = fat5_in_process([command, "--help"])
+    assert status == 0 and out.startswith("usage: ") and not heavy, (err[-2000:], heavy)
+    status, out, err, heavy = fat5_in_process([command, "--no-such-flag"])
+    assert status == EXIT_BAD_INPUT and not heavy, (err[-2000:], heavy)
+    # The flag, or the arguments a command requires before it (argparse says which comes first).
+    assert len(err.splitlines()) == 1 and "error: " in err and ("--no-such-flag" in err or "required" in err), err
+
+
+@pytest.mark.parametrize("command", ["train", "translation", "summarization", "classify", "pretrain"])
+def test_help_lists_the_commands_own_flags_and_points_to_the_trainers(command):
+    """--help: the command's flags, and one line on the Trainer's (their count read from transformers' source);
+    --help-all adds them."""
+    _, short, _, _ = fat5_in_process([command, "--help"])
+    assert "--resume_with_changed_settings" in short and "--adam_beta1" not in short
+    assert "flags of transformers' " in short and "--help-all lists them" in short
+    assert len(short.splitlines()) < 150
+    status, full, err, _ = fat5_in_process([command, "--help-all"])
+    assert status == 0 and "--adam_beta1" in full, err[-2000:]
+    flags = [line.split()[0] for line in full.splitlines() if line.startswith("  --")]
+    assert "--resume_with_changed_settings" in flags and "--output_dir" in flags  # the run folder's, mixed in
+    for flag in ("--max_source_length", "--mixture"):  # the command's own flags come first
+        if flag in short:
+            assert flags.index(flag) < flags.index("--adam_beta1")
+
+
+# Each command with flags that get it to its libraries, and the libraries (import names) it needs.
+NEEDS = {
+    "train": (["--model_name_or_path", "m", "--output_dir", "o", "--do_train", "--train_file", "t.csv"],
+              ["accelerate", "datasets"]),
+    "translation": (["--model_name_or_path", "m", "--output_dir", "o", "--do_eval", "--validation_file", "t.csv"],
+                    ["accelerate", "datasets", "sacrebleu"]),
+    "summarization": (["--model_name_or_path", "m", "--output_dir", "o", "--do_eval", "--validation_file", "t.csv"],
+                      ["accelerate", "datasets", "rouge_score"]),
+    "classify": (["--model_name_or_path", "m", "--output_dir", "o", "--do_eval", "--validation_file", "t.csv"],
+                 ["accelerate", "datasets"]),
+    "pretrain": (["--train_files", "c.txt", "--output_dir", "o", "--max_steps", "1"], ["accelerate"]),
+}
+
+
+@pytest.mark.parametrize("command, module", [(command, module) for command, (_, modules) in NEEDS.items()
+                                             for module in modules])
+def test_a_missing_library_is_one_line_naming_its_extra(command, module, tmp_path):
+    argv, _ = NEEDS[command]
+    extra = "pretrain" if command == "pretrain" else "recipes"
+    status, _, err, heavy = fat5_in_process([command, *argv], hidden=[module])
+    assert status == EXIT_BAD_INPUT, err[-2000:]
+    assert err.splitlines() == [f'error: {module} is not installed; this command needs FAT5\'s "{extra}" extra: '
+                                f'pip install "fat5[{extra}]"'], err[-2000:]
+    assert not heavy  # said before anything loads
+
+
+def test_predict_without_datasets_is_one_line(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    status, _, err, _ = fat5_in_process(["predict", "--model", tmp_path / "model", "--input_file", tmp_path / "in.csv",
+                                         "--output_file", tmp_path / "out.csv"], hidden=["datasets"])
+    assert status == EXIT_BAD_INPUT and err.splitlines() == [
+        'error: datasets is not installed; this command needs FAT5\'s "recipes" extra: pip install "fat5[recipes]"']
+
+
+def test_pretraining_a_dataset_without_datasets_is_one_line(tmp_path):
+    """datasets is pretraining's only for --dataset_name: the import there, deep in the run, is one line too."""
+    status, _, err, _ = fat5_in_process(["pretrain", "--dataset_name", "someone/corpus", "--output_dir",
+                                         tmp_path / "o", "--max_steps", "1"], hidden=["datasets"])
+    assert status == EXIT_BAD_INPUT and err.splitlines()[-1:] == [
+        'error: datasets is not installed; this command needs FAT5\'s "pretrain" extra: pip install "fat5[pretrain]"'
+    ], err[-2000:]
+
+
+@pytest.mark.parametrize("module, extra, command_extra", [
+    ("peft", "recipes", "recipes"), ("peft.tuners", "recipes", None), ("datasets", "pretrain", "pretrain"),
+    ("liger_kernel.ops", "liger", "recipes"), ("optimum.exporters", "onnx", None)])
+def test_a_library_missing_deep_in_a_command_names_its_extra(capsys, module, extra, command_extra):
+    def command(argv, progress):
+        raise ModuleNotFoundError(f"No module named {module!r}", name=module)
+
+    assert run(command, [], extra=command_extra) == EXIT_BAD_INPUT
+    library = module.partition(".")[0]
+    assert capsys.readouterr().err.splitlines() == [
+        f'error: {library} is not installed; this command needs FAT5\'s "{extra}" extra: pip install "fat5[{extra}]"']
+
+
+def test_a_missing_module_of_fat5_itself_keeps_its_traceback():
+    def command(argv, progress):
+        raise ModuleNotFoundError("No module named 'fat5.nowhere'", name="fat5.nowhere")
+
+    with pytest.raises(ModuleNotFoundError):
+        run(command, [])
+
+
+def test_importing_fat5_imports_no_model_code_until_a_class_is_used():
+    """`import fat5` (and the command-line modules) load nothing heavy; the first use of a model class loads it and
+    registers FAT5 with transformers' Auto classes."""
+    code = """
+import sys
+import fat5, fat5.cli, fat5.files, fat5.commands, fat5.training.flags, fat5.training.pretrain
+import fat5.recipes.train, fat5.recipes.translation, fat5.recipes.summarization, fat5.recipes.classify
+import fat5.recipes.predict, convert.flan_to_fat5, convert.fat5_to_t5, convert.refresh_code, convert.onnx_fat5
+assert not [name for name in ("torch", "transformers") if name in sys.modules], sys.modules.keys()
+assert "FAT5ForConditionalGeneration" in dir(fat5)
+from fat5 import FAT5ForConditionalGeneration
+from transformers import AutoConfig, AutoModelForSeq2SeqLM
+config = AutoConfig.for_model("fat5", num_layers=1, num_decoder_layers=1, d_model=8, d_kv=4, d_ff=8, num_heads=2,
+                              vocab_size=32)
+assert type(AutoModelForSeq2SeqLM.from_config(config)) is FAT5ForConditionalGeneration is fat5.AUTO_CLASSES[
+    AutoModelForSeq2SeqLM]
+"""
+    process = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert process.returncode == 0, process.stderr[-3000:]

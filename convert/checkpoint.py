@@ -55,7 +55,7 @@ FAT5_SETTINGS = ("attention_dropout_rate", "attention_backend", "z_loss", "label
                  "rope_cross_attention", "rope_rotates_values", "fire_normalizer_offset", "fire_normalizer_eps")
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-# Copies of shared.weight that transformers' T5 state dicts hold (FAT5's does not).
+# Copies of shared.weight that T5 and FAT5 state dicts name (their saved files hold shared.weight alone).
 EMBEDDING_COPIES = ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
 # transformers' T5 never uses this table (cross-attention has no position bias) and ignores it on load.
 UNUSED_SOURCE_TENSORS = ("decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",)
@@ -284,7 +284,8 @@ def t5_config_from_fat5(fat5_config, model_type, tied):
     fields = carried_fields(fat5_config, model_type)
     defaults = FAT5Config(dropout_rate=config.dropout_rate)  # attention dropout defaults to dropout_rate
     for name in FAT5_SETTINGS:
-        if name in fields and fields[name] == getattr(defaults, name):
+        # (null: a setting left to its default, such as attention_dropout_rate's dropout_rate)
+        if name in fields and fields[name] in (None, getattr(defaults, name)):
             del fields[name]
     scale = config.scale_decoder_outputs
     fields.update(model_type=model_type, architectures=[ARCHITECTURES[model_type]], tie_word_embeddings=tied,

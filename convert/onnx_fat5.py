@@ -3,9 +3,11 @@
     python -m convert.onnx_fat5 FOLDER OUT [--task text2text-generation-with-past] [--opset N]
 
 A FAT5 model whose position_encoding_type is "t5" (T5's relative bias) has T5's parameter names, config fields and
-computation, so it exports with optimum's own T5 ONNX config, registered here for model type "fat5". Other position
-types (FIRE, RoPE, ...) have no ONNX config and are refused. optimum's exporter (`pip install "fat5[onnx]"`)
-requires transformers < 4.58, so this runs on transformers 4.57 only.
+computation, so it exports with optimum's own T5 ONNX config, registered for model type "fat5" (here, and by loading
+a FAT5 config once optimum's exporter is imported, which makes `optimum-cli export onnx --model FOLDER
+--trust-remote-code` work too: fat5/integrations_fat5.py). Other position types (FIRE, RoPE, ...) have no ONNX config
+and are refused. optimum's exporter (`pip install "fat5[onnx]"`) requires transformers < 4.58, so this runs on
+transformers 4.57 only.
 """
 
 import argparse
@@ -14,12 +16,10 @@ from pathlib import Path
 from fat5.cli import CliParser, CommandError, exit_with, run
 from fat5.files import check_model_folder, read_json_object
 
-# optimum's tasks for T5, all of which the T5 ONNX config exports.
-TASKS = ("text2text-generation-with-past", "text2text-generation", "feature-extraction-with-past",
-         "feature-extraction")
-
 
 def build_parser():
+    from fat5.integrations_fat5 import ONNX_TASKS as TASKS  # imports torch and transformers: inside `run`
+
     parser = CliParser(prog="python -m convert.onnx_fat5", description=__doc__.split("\n\n")[0],
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", metavar="FOLDER", help="a FAT5 folder (config.json, weights, tokenizer)")
@@ -46,21 +46,28 @@ def check_exportable(folder):
     model_type = config.get("model_type")
     if model_type != "fat5":
         raise CommandError(f"{folder} is a {model_type!r} model, not a FAT5 one")
-    position_type = config.get("position_encoding_type", "t5")
-    if position_type != "t5":
-        raise CommandError(f"position_encoding_type {position_type!r} has no ONNX config: only 't5' (T5's relative "
-                           "bias) exports to ONNX")
+    from fat5 import FAT5Config
+    from fat5.integrations_fat5 import t5_computation_problem
+
+    try:
+        problem = t5_computation_problem(FAT5Config.from_dict(config), "onnx")
+    except ValueError as error:
+        raise CommandError(f"{config_path}: {error}") from error
+    if problem is not None:
+        raise CommandError(problem)
 
 
 def register_fat5_onnx_config():
-    """Export model type "fat5" with optimum's T5 ONNX config (no-op when already registered)."""
+    """Export model type "fat5" with optimum's T5 ONNX config (what loading a FAT5 config does too once optimum's
+    exporter is imported: fat5/integrations_fat5.py)."""
     try:
-        from optimum.exporters.onnx.model_configs import T5OnnxConfig
-        from optimum.exporters.tasks import TasksManager
+        import optimum.exporters.onnx  # noqa: F401
     except ImportError as error:
         raise CommandError(f"optimum's ONNX exporter cannot be imported ({error}): pip install \"fat5[onnx]\" "
                            "(it requires transformers < 4.58)") from error
-    TasksManager.create_register("onnx")("fat5", *TASKS)(T5OnnxConfig)
+    from fat5.integrations_fat5 import register_optimum_onnx_config
+
+    register_optimum_onnx_config()
 
 
 def export(args, progress):

@@ -56,6 +56,7 @@ EXTRAS = {
     "recipes": ("accelerate", "datasets", "sacrebleu", "rouge_score", "peft"),
     "pretrain": ("accelerate", "datasets"),
     "onnx": ("optimum", "onnxruntime"),
+    "ct2": ("ctranslate2",),
     "liger": ("liger_kernel",),
     "triton": ("triton",),
 }

@@ -21,6 +21,7 @@ COMMANDS = {
     "to-t5": ("convert.fat5_to_t5", "convert a FAT5 checkpoint back to transformers' T5 / mT5 / umT5"),
     "refresh-code": ("convert.refresh_code", "give a FAT5 folder written by an earlier FAT5 this FAT5's code"),
     "onnx": ("convert.onnx_fat5", "export a FAT5 folder to ONNX with optimum (the \"onnx\" extra)"),
+    "ct2": ("convert.ct2_fat5", "convert a FAT5 folder to a CTranslate2 model (the \"ct2\" extra)"),
     "pretrain": ("fat5.training.pretrain", "pretrain or continue pretraining with T5/UL2 denoising (\"pretrain\" "
                                            "extra)"),
     "train": ("fat5.recipes.train", "fine-tune on (source, target) pairs with Trainer (\"recipes\" extra)"),

@@ -9,10 +9,11 @@ Exported with the model code (it imports only transformers and the standard libr
 """
 
 import dataclasses
+import inspect
 import re
 
 import transformers
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, T5ForConditionalGeneration
 from transformers.modeling_outputs import Seq2SeqLMOutput
 from transformers.utils import logging
 
@@ -39,6 +40,42 @@ except ImportError:
 # transformers 4.x has no generic `PreTrainedModel.get_encoder` (each T5 class defines its own); generate and
 # optimum's ONNX exporter call it. Where transformers has one, FAT5 uses it (5.x's also takes `modality`).
 HAS_GENERIC_GET_ENCODER = hasattr(PreTrainedModel, "get_encoder")
+
+
+def _takes_any_keyword(function):
+    return any(parameter.kind is inspect.Parameter.VAR_KEYWORD
+               for parameter in inspect.signature(function).parameters.values())
+
+
+# transformers 4.x's T5 forwards name every argument they take: an unknown keyword (a misspelt `label=`) raises
+# TypeError, and transformers' own callers read the signature (generate refuses unknown generate() kwargs, the
+# Trainer passes `num_items_in_batch` to a forward with **kwargs, generate filters what it passes the encoder).
+# transformers 5's take **kwargs and ignore what they do not use. FAT5's forwards take **kwargs and follow the
+# installed release's T5 (`match_t5_signature`, `check_keywords`).
+FORWARD_TAKES_ANY_KEYWORD = _takes_any_keyword(T5ForConditionalGeneration.forward)
+# transformers 4.x's generate passes `cache_position` to every encoder-decoder forward (its T5 declares it); 5.x's
+# T5 does not take it, and generate warns about a remote-code forward that does. FAT5's forwards take it (and
+# need no position: they count from the cache) and show it where T5's do.
+T5_TAKES_CACHE_POSITION = "cache_position" in inspect.signature(T5ForConditionalGeneration.forward).parameters
+
+
+def match_t5_signature(forward):
+    """Give `forward` (a FAT5 forward with **kwargs and `cache_position`) the signature transformers reads (its
+    `__signature__`) as the installed release's T5 forwards have it: without **kwargs where T5's take none, without
+    `cache_position` where T5's lack it. (A signature, not a wrapper: export tools take a forward with
+    `__wrapped__` for transformers' decorators.)"""
+    signature = inspect.signature(forward)
+    shown = [parameter for parameter in signature.parameters.values()
+             if not (parameter.kind is inspect.Parameter.VAR_KEYWORD and not FORWARD_TAKES_ANY_KEYWORD)
+             and not (parameter.name == "cache_position" and not T5_TAKES_CACHE_POSITION)]
+    forward.__signature__ = signature.replace(parameters=shown)
+
+
+def check_keywords(model, kwargs):
+    """The TypeError transformers 4.x's T5 raises for a keyword its forward does not take (`kwargs`: what FAT5's
+    forward collected beyond its named parameters); nothing where T5's forwards ignore unknown keywords."""
+    if kwargs and not FORWARD_TAKES_ANY_KEYWORD:
+        raise TypeError(f"{type(model).__name__}.forward() got an unexpected keyword argument '{next(iter(kwargs))}'")
 
 
 def either_cache(cache, past_key_values):

@@ -6,6 +6,8 @@ import math
 from transformers import PretrainedConfig
 
 from .compat_fat5 import CACHE_NAME, warn_if_untested
+from .integrations_fat5 import register_with_imported_libraries
+from .pickling_fat5 import reduce_keeping_code_importable, shallow_copy
 
 POSITION_ENCODING_TYPES = ("t5", "rope", "alibi", "fire", "none")
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "triton")
@@ -43,8 +45,10 @@ _RULES = (
       "relative_attention_max_distance", "fire_mlp_width"), lambda value: _integer(value) and value > 0,
      "a positive integer"),
     (("num_layers", "num_decoder_layers"), lambda value: _integer(value) and value >= 0, "a non-negative integer"),
-    (("dropout_rate", "attention_dropout_rate", "classifier_dropout", "label_smoothing"),
-     lambda value: _number(value) and 0 <= value < 1, "a number in [0, 1)"),
+    (("dropout_rate", "classifier_dropout", "label_smoothing"), lambda value: _number(value) and 0 <= value < 1,
+     "a number in [0, 1)"),
+    (("attention_dropout_rate",), lambda value: value is None or (_number(value) and 0 <= value < 1),
+     "a number in [0, 1), or null for dropout_rate's value"),
     (("partial_rotary_factor",), lambda value: _number(value) and 0 < value <= 1, "a number in (0, 1]"),
     (("fire_normalizer_offset",), lambda value: _integer(value) and value >= 0, "a non-negative integer"),
     (("layer_norm_epsilon", "initializer_factor", "attention_scale", "rope_theta", "fire_init_c",
@@ -86,9 +90,12 @@ class FAT5Config(PretrainedConfig):
     attention_scale (`float`, defaults to 1.0):
         Scale of the q·k product. T5 folds 1/sqrt(d_kv) into its initialisation, so it uses 1.0.
     attention_dropout_rate (`float`, *optional*):
-        Dropout on attention probabilities; defaults to `dropout_rate` as in T5 (0.1 in Google's checkpoints, so
-        in a converted FLAN-T5). Every backend applies it in training, the Triton kernel included: it drops
-        probabilities in-kernel with a Philox generator seeded from torch's, scaled by 1 / (1 - p) as T5 does.
+        Dropout on attention probabilities. Unset (or null), it is `dropout_rate`, read whenever it is used, as in
+        T5, whose `dropout_rate` is its attention dropout too: `from_pretrained(folder, dropout_rate=0.0)` turns
+        every dropout off unless `attention_dropout_rate` is given as well. Saved only when set. A config.json
+        value equal to its `dropout_rate` (what converters before this rule wrote for every folder) reads as unset.
+        Every backend applies it in training, the Triton kernel included: it drops probabilities in-kernel with a
+        Philox generator seeded from torch's, scaled by 1 / (1 - p) as T5 does.
     attention_backend (`str`, defaults to `"auto"`):
         `"auto"` uses the Triton kernel for CUDA tensors when Triton is installed and SDPA otherwise;
         `"eager"`, `"sdpa"` or `"triton"` force one.
@@ -185,7 +192,7 @@ class FAT5Config(PretrainedConfig):
         self.relative_attention_num_buckets = relative_attention_num_buckets
         self.relative_attention_max_distance = relative_attention_max_distance
         self.dropout_rate = dropout_rate
-        self.attention_dropout_rate = dropout_rate if attention_dropout_rate is None else attention_dropout_rate
+        self.attention_dropout_rate = attention_dropout_rate
         self.classifier_dropout = classifier_dropout
         self.layer_norm_epsilon = layer_norm_epsilon
         self.initializer_factor = initializer_factor
@@ -228,6 +235,16 @@ class FAT5Config(PretrainedConfig):
         self.tie_word_embeddings = tie_word_embeddings
         self._validate_fat5()
         warn_if_untested()
+        # sentence-transformers, optimum and CTranslate2, when imported, learn FAT5 here: they read the config
+        # first, then look the class up in their tables.
+        register_with_imported_libraries(type(self))
+
+    def __reduce_ex__(self, protocol):
+        # Loaded with trust_remote_code, the config unpickles in a fresh process too (see pickling_fat5).
+        return reduce_keeping_code_importable(self, super().__reduce_ex__(protocol))
+
+    def __copy__(self):
+        return shallow_copy(self)
 
     def __setattr__(self, key, value):
         # Checked on every assignment, so `from_pretrained(..., dropout_rate=...)` (which sets attributes after
@@ -242,6 +259,32 @@ class FAT5Config(PretrainedConfig):
             if not valid:
                 raise ValueError(f"FAT5Config.{name}: {value!r} is not {description}")
         super().__setattr__(key, value)
+
+    @property
+    def attention_dropout_rate(self):
+        explicit = self.__dict__.get("attention_dropout_rate")
+        return self.dropout_rate if explicit is None else explicit
+
+    @attention_dropout_rate.setter
+    def attention_dropout_rate(self, value):
+        # Stored under its own name (None when unset), so to_dict and config.json say whether it was set.
+        self.__dict__["attention_dropout_rate"] = value
+
+    @classmethod
+    def from_dict(cls, config_dict, **kwargs):
+        """transformers' from_dict, reading an `attention_dropout_rate` equal to `dropout_rate` as unset: earlier
+        converters and saves wrote the derived value into every config.json, and a later `dropout_rate` override
+        must still reach attention (see the class docstring)."""
+        if config_dict.get("attention_dropout_rate") == config_dict.get("dropout_rate", 0.1):
+            config_dict = {**config_dict, "attention_dropout_rate": None}
+        return super().from_dict(config_dict, **kwargs)
+
+    def to_diff_dict(self):
+        """transformers' to_diff_dict (what save_pretrained writes), without derived fields left unset."""
+        diff = super().to_diff_dict()
+        if self.__dict__.get("attention_dropout_rate") is None:
+            diff.pop("attention_dropout_rate", None)
+        return diff
 
     def get_text_config(self, decoder=None, encoder=None):
         """transformers sizes generation caches from `get_text_config(decoder=True).num_hidden_layers`, which is

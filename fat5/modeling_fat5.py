@@ -28,6 +28,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
+from transformers.utils import DUMMY_INPUTS, DUMMY_MASK
 
 from .attention_fat5 import (
     PackedSegments,
@@ -41,14 +42,17 @@ from .attention_fat5 import (
 from .compat_fat5 import (
     HAS_GENERIC_GET_ENCODER,
     cache_field,
+    check_keywords,
     either_cache,
     init,
+    match_t5_signature,
     output_cache,
     static_cache_max_length,
 )
 from .configuration_fat5 import FAT5Config
 from .loss_fat5 import linear_cross_entropy, seq2seq_lm_loss
 from .peft_fat5 import register_fat5_with_peft
+from .pickling_fat5 import reduce_keeping_code_importable, shallow_copy
 from .reference_fat5 import relative_positions, t5_rms_norm
 from .remote_code_fat5 import mark_as_package, save_as_package
 
@@ -211,9 +215,12 @@ class FAT5Attention(nn.Module):
         self.is_cross_attention = is_cross_attention
         self.has_relative_attention_bias = has_relative_attention_bias
         self.layer_idx = layer_idx
+        # T5Attention's attribute names, which tools that read T5's modules use (CTranslate2's T5 loader).
         self.n_heads = config.num_heads
         self.key_value_proj_dim = config.d_kv
         self.inner_dim = config.num_heads * config.d_kv
+        self.relative_attention_num_buckets = config.relative_attention_num_buckets
+        self.relative_attention_max_distance = config.relative_attention_max_distance
         # T5 folds the 1/sqrt(d_kv) attention scale into q's initialisation.
         self.q = t5_linear(config.d_model, self.inner_dim, init_std=(config.d_model * config.d_kv) ** -0.5)
         self.k = t5_linear(config.d_model, self.inner_dim, init_std=config.d_model**-0.5)
@@ -477,7 +484,12 @@ class FAT5PreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
     # Every class, and generate's decode step with a static cache, traces as one graph (tests/test_compile.py).
     _can_compile_fullgraph = True
-    _keys_to_ignore_on_load_unexpected = [r"encoder\.embed_tokens\.weight", r"decoder\.embed_tokens\.weight"]
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "forward" in vars(cls):
+            # Arguments as transformers' T5 on the installed release takes them (compat_fat5.match_t5_signature).
+            match_t5_signature(cls.forward)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -512,6 +524,29 @@ class FAT5PreTrainedModel(PreTrainedModel):
         if push_to_hub:
             repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.normpath(save_directory)))
             return self.push_to_hub(repo_id, **hub_kwargs)
+
+    def __reduce_ex__(self, protocol):
+        # A model loaded with trust_remote_code unpickles in a fresh process too (as T5's classes do).
+        return reduce_keeping_code_importable(self, super().__reduce_ex__(protocol))
+
+    def __copy__(self):
+        return shallow_copy(self)
+
+    def tie_weights(self, *args, **kwargs):
+        """transformers' tying (the LM head when config.tie_word_embeddings), then the stacks' embeddings, which
+        are `shared` whatever the config says (transformers 4.57 ties by Parameter identity after a load)."""
+        super().tie_weights(*args, **kwargs)
+        _tie_stack_embeddings(self)
+
+    def get_expanded_tied_weights_keys(self, all_submodels=False):
+        """transformers 5 ties, saves once, offloads and device-maps tied weights from this mapping, and ties
+        nothing when config.tie_word_embeddings is false. The stacks' embeddings are always `shared` (only the LM
+        head follows the flag), so they are always listed. (transformers 4.57 does not call this.)"""
+        tied = super().get_expanded_tied_weights_keys(all_submodels=all_submodels)
+        if not all_submodels:
+            tied.update({name: "shared.weight" for name in _stack_embedding_names(self)
+                         if name in (self._tied_weights_keys or {})})
+        return tied
 
     def _output(self, output, return_dict):
         """return_dict=False (or config.return_dict=False) gives the tuple of the fields that are set, as
@@ -627,10 +662,12 @@ class FAT5Stack(FAT5PreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 inputs_embeds=None, cache=None, use_cache=None, output_hidden_states=None,
                 output_attentions=None, return_dict=None, segment_ids=None, encoder_segment_ids=None,
-                past_key_values=None, **kwargs):
+                past_key_values=None, cache_position=None, **kwargs):
         """Arguments left as None take the config's values (`output_attentions`, `output_hidden_states`,
         `return_dict`, and for the decoder `use_cache`), as transformers' T5 stacks do. The cache comes as `cache`
-        or `past_key_values` (`compat_fat5.either_cache`)."""
+        or `past_key_values` (`compat_fat5.either_cache`). `cache_position`, which transformers 4.x's generate
+        passes, is not needed: positions are counted from the cache."""
+        check_keywords(self, kwargs)
         cache = either_cache(cache, past_key_values)
         config = self.config
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
@@ -714,36 +751,77 @@ class FAT5Stack(FAT5PreTrainedModel):
 
 
 STACK_NAMES = ("encoder", "decoder")
+STACK_EMBEDDINGS_TIED = {f"{name}.embed_tokens.weight": "shared.weight" for name in STACK_NAMES}
 
 
-def _stack_embedding_aliases(model, prefix=""):
-    """State-dict names of stack embeddings that are the model's `shared` embedding."""
-    return [f"{prefix}{name}.embed_tokens.weight" for name in STACK_NAMES
-            if getattr(getattr(model, name, None), "embed_tokens", None) is model.shared]
+def _stack_embedding_names(model):
+    """State-dict names of the stacks' embeddings, which are `shared.weight` under other names (as in T5)."""
+    return [f"{name}.embed_tokens.weight" for name in STACK_NAMES
+            if getattr(getattr(model, name, None), "embed_tokens", None) is not None]
 
 
-def _drop_embedding_aliases(model, state_dict, prefix, local_metadata):
-    for alias in _stack_embedding_aliases(model, prefix):
-        state_dict.pop(alias, None)
+def _tie_stack_embeddings(model):
+    """Make every stack's embedding alias hold `model.shared`'s weight Parameter again (a load, `to_empty` or a
+    plain `load_state_dict(..., assign=True)` may have given each name its own). A stack whose `embed_tokens` is
+    another module (the model's own `shared` after `set_input_embeddings`, PEFT's wrapper, a user's) is left
+    alone."""
+    shared = getattr(model, "shared", None)
+    if not isinstance(shared, nn.Embedding):
+        return
+    for name in STACK_NAMES:
+        embedding = getattr(getattr(model, name, None), "embed_tokens", None)
+        if isinstance(embedding, SharedEmbeddingAlias):
+            embedding.point_to(shared)
 
 
 def _fill_embedding_aliases(model, state_dict, prefix, *args):
+    """A state dict that names the embedding once (`shared.weight`, as every FAT5 and T5 checkpoint file does, and
+    FAT5's own state dicts before the stacks' names appeared in them) loads strictly: the stacks' names are filled
+    from it."""
     shared = state_dict.get(f"{prefix}shared.weight")
-    for alias in _stack_embedding_aliases(model, prefix):
-        if shared is not None:
-            state_dict.setdefault(alias, shared)
+    if shared is not None:
+        for alias in _stack_embedding_names(model):
+            state_dict.setdefault(f"{prefix}{alias}", shared)
+
+
+def _retie_after_load(model, incompatible_keys):
+    # load_state_dict(..., assign=True) gives each name its own Parameter: tie them again.
+    _tie_stack_embeddings(model)
+
+
+class SharedEmbeddingAlias(nn.Embedding):
+    """A stack's `embed_tokens`: T5's name for the model's shared embedding, a module of its own (as in transformers
+    5's T5) whose weight is `shared`'s Parameter (no memory of its own). Its lookups run through the `shared`
+    module itself, so whatever hooks `model.get_input_embeddings()` (NEFTune, transformers 4.57's
+    `enable_input_require_grads`, accelerate's offload of `shared`) sees every stack's lookups."""
+
+    def __init__(self, shared):
+        # _weight: no tensor of its own is allocated (the meta device or a billion-parameter vocabulary alike).
+        super().__init__(shared.num_embeddings, shared.embedding_dim, padding_idx=shared.padding_idx,
+                         _weight=shared.weight)
+        self.init_std = getattr(shared, "init_std", 1.0)
+        self.point_to(shared)
+
+    def point_to(self, shared):
+        self.weight = shared.weight
+        # A plain attribute, not a submodule: the embedding appears once in the module tree under `shared`.
+        object.__setattr__(self, "shared", shared)
+
+    def forward(self, input_ids):
+        return self.shared(input_ids)
 
 
 def share_embedding(model, config, stack_names):
-    """Build `model.shared` and the stacks named in `stack_names`, each owning that one embedding as its
-    `embed_tokens` (tracing, exports and `.to()` of a stack alone need it as a submodule). It stays one tensor:
-    the model's state dict names it once, `shared.weight`, as T5 checkpoints do (so saved files and loading are
-    unchanged), and a load fills the stacks' names from it."""
+    """Build `model.shared` and the stacks named in `stack_names`, as transformers' T5 does: each stack owns an
+    `embed_tokens` module (tracing, exports and `.to()` of a stack alone need it as a submodule; PEFT's
+    `target_modules=["embed_tokens"]` finds both) whose weight is `shared`'s one Parameter. `state_dict()` names
+    it under all three names, as T5's does (accelerate's offload hooks look each name up); saved files keep one
+    copy, `shared.weight` (`_tied_weights_keys`), and a load fills the other names from it."""
     model.shared = t5_embedding(config.vocab_size, config.d_model, init_std=1.0)
     for name in stack_names:
-        setattr(model, name, FAT5Stack(config, model.shared, is_decoder=name == "decoder"))
-    model.register_state_dict_post_hook(_drop_embedding_aliases)
+        setattr(model, name, FAT5Stack(config, SharedEmbeddingAlias(model.shared), is_decoder=name == "decoder"))
     model.register_load_state_dict_pre_hook(_fill_embedding_aliases)
+    model.register_load_state_dict_post_hook(_retie_after_load)
 
 
 def get_own_encoder(self):
@@ -758,6 +836,13 @@ class FAT5EncoderDecoderMixin:
 
     def _build_encoder_decoder(self, config):
         share_embedding(self, config, STACK_NAMES)
+
+    @property
+    def dummy_inputs(self):
+        """transformers' dummy batch with decoder inputs, as T5's: `model(**model.dummy_inputs)` runs."""
+        input_ids = torch.tensor(DUMMY_INPUTS)
+        return {"input_ids": input_ids, "decoder_input_ids": input_ids,
+                "decoder_attention_mask": torch.tensor(DUMMY_MASK)}
 
     def get_input_embeddings(self):
         return self.shared
@@ -790,6 +875,8 @@ class FAT5EncoderDecoderMixin:
 
 
 class FAT5Model(FAT5EncoderDecoderMixin, FAT5PreTrainedModel):
+    _tied_weights_keys = dict(STACK_EMBEDDINGS_TIED)
+
     def __init__(self, config: FAT5Config):
         super().__init__(config)
         self._build_encoder_decoder(config)
@@ -798,7 +885,8 @@ class FAT5Model(FAT5EncoderDecoderMixin, FAT5PreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, cache=None, inputs_embeds=None, decoder_inputs_embeds=None,
                 use_cache=None, output_hidden_states=None, return_dict=None, output_attentions=None, segment_ids=None,
-                decoder_segment_ids=None, past_key_values=None, **kwargs):
+                decoder_segment_ids=None, past_key_values=None, cache_position=None, **kwargs):
+        check_keywords(self, kwargs)
         encoder_outputs, decoder_outputs = self._encode_and_decode(
             input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
             either_cache(cache, past_key_values), inputs_embeds, decoder_inputs_embeds, use_cache,
@@ -817,7 +905,11 @@ class FAT5Model(FAT5EncoderDecoderMixin, FAT5PreTrainedModel):
 
 
 class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel, GenerationMixin):
-    _tied_weights_keys = {"lm_head.weight": "shared.weight"}
+    # As T5's; the LM head is tied only when config.tie_word_embeddings is true (the stacks' embeddings always).
+    _tied_weights_keys = {**STACK_EMBEDDINGS_TIED, "lm_head.weight": "shared.weight"}
+    # The Trainer passes num_items_in_batch (the label tokens of the whole accumulated batch) to the loss. Said
+    # here, not read from forward's **kwargs, which transformers 4.57 does not see (compat_fat5.match_t5_signature).
+    accepts_loss_kwargs = True
 
     def __init__(self, config: FAT5Config):
         super().__init__(config)
@@ -835,12 +927,14 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, cache=None, inputs_embeds=None, decoder_inputs_embeds=None,
                 labels=None, use_cache=None, output_hidden_states=None, return_dict=None, num_items_in_batch=None,
-                output_attentions=None, segment_ids=None, decoder_segment_ids=None, past_key_values=None, **kwargs):
+                output_attentions=None, segment_ids=None, decoder_segment_ids=None, past_key_values=None,
+                cache_position=None, **kwargs):
         """Packed batches (several examples per row, see `fat5.training.packing`) pass `segment_ids` (B, L_enc)
         and `decoder_segment_ids` (B, L_dec): 1, 2, ... numbers a row's examples, 0 is padding. Each example then
         attends only to itself (decoder segment s to encoder segment s), positions restart at every segment, and
         the loss stays the mean over the batch's label tokens, i.e. the sum of every example's token losses over
         the number of label tokens."""
+        check_keywords(self, kwargs)
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self._shift_right(labels, decoder_segment_ids)
         encoder_outputs, decoder_outputs = self._encode_and_decode(
@@ -900,7 +994,8 @@ class FAT5EncoderMixin:
     if not HAS_GENERIC_GET_ENCODER:
         get_encoder = get_own_encoder
 
-    _keys_to_ignore_on_load_unexpected = [r"decoder\.", r"lm_head\.", r"encoder\.embed_tokens\.weight"]
+    _keys_to_ignore_on_load_unexpected = [r"decoder\.", r"lm_head\."]
+    _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight"}
 
     def __init__(self, config):
         # As T5's encoder-only classes do, the model's config says it is no encoder-decoder and keeps no cache
@@ -938,6 +1033,7 @@ class FAT5EncoderModel(FAT5EncoderMixin, FAT5PreTrainedModel):
                 return_dict=None, output_attentions=None, segment_ids=None, **kwargs):
         """`segment_ids` (B, L): packed rows, 1, 2, ... per example and 0 for padding; examples do not see
         each other and positions restart at each."""
+        check_keywords(self, kwargs)
         outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions,
                                segment_ids)
         return self._output(BaseModelOutput(last_hidden_state=outputs.last_hidden_state,
@@ -946,7 +1042,7 @@ class FAT5EncoderModel(FAT5EncoderMixin, FAT5PreTrainedModel):
 
 
 def _reject_segment_ids(kwargs, class_name):
-    if kwargs.get("segment_ids") is not None:
+    if kwargs.pop("segment_ids", None) is not None:
         raise ValueError(f"{class_name} takes one example per row: packed batches (segment_ids) are not supported")
 
 
@@ -980,6 +1076,7 @@ class FAT5ForSequenceClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, labels=None,
                 output_hidden_states=None, return_dict=None, output_attentions=None, **kwargs):
         _reject_segment_ids(kwargs, "FAT5ForSequenceClassification")
+        check_keywords(self, kwargs)
         outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions)
         hidden = outputs.last_hidden_state
         if attention_mask is None:
@@ -998,6 +1095,7 @@ class FAT5ForSequenceClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
 
 
 class FAT5ForTokenClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
+    accepts_loss_kwargs = True  # num_items_in_batch, as FAT5ForConditionalGeneration's
     def __init__(self, config: FAT5Config):
         super().__init__(config)
         self._build_encoder()
@@ -1010,6 +1108,7 @@ class FAT5ForTokenClassification(FAT5EncoderMixin, FAT5PreTrainedModel):
                 num_items_in_batch=None, **kwargs):
         """`num_items_in_batch` (from the Trainer): labelled tokens in the whole accumulated batch, so gradient
         accumulation weighs every token alike however the tokens fall into micro-batches."""
+        check_keywords(self, kwargs)
         outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions,
                                segment_ids)
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
@@ -1034,6 +1133,7 @@ class FAT5ForQuestionAnswering(FAT5EncoderMixin, FAT5PreTrainedModel):
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, start_positions=None,
                 end_positions=None, output_hidden_states=None, return_dict=None, output_attentions=None, **kwargs):
         _reject_segment_ids(kwargs, "FAT5ForQuestionAnswering")
+        check_keywords(self, kwargs)
         outputs = self._encode(input_ids, attention_mask, inputs_embeds, output_hidden_states, output_attentions)
         start_logits, end_logits = self.qa_outputs(outputs.last_hidden_state).float().unbind(dim=-1)
         # Positions outside the sequence are ignored, as in transformers' QA heads.

@@ -65,9 +65,8 @@ def run(model, **kwargs):
 
 EAGER = {"attn_implementation": "eager"}
 # Compared on transformers 5 only (the CI job on 4.57 skips them): get_encoder's modality (a transformers 5 API);
-# sentence-transformers, which on 4.57 loads an AutoProcessor without trust_remote_code; assisted generation, which
-# 4.57 refuses next to the min-length processor the test's generation config adds; and T5's decoder stack called
-# alone with output_attentions, which raises IndexError in 4.57's own T5; and the order of forward's arguments
-# (4.57's T5 also takes head masks, which transformers 5 removed and FAT5 never took).
+# assisted generation, which 4.57 refuses next to the min-length processor the test's generation config adds; T5's
+# decoder stack called alone with output_attentions, which raises IndexError in 4.57's own T5; and the order of
+# forward's arguments (4.57's T5 also takes head masks, which transformers 5 removed and FAT5 never took).
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 needs_transformers_5 = pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 5 behaviour")

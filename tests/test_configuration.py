@@ -82,3 +82,65 @@ def test_token_ids_must_lie_in_the_vocabulary():
 def test_valid_values_of_every_accepted_type_load(tmp_path, fields):
     FAT5Config(**fields).save_pretrained(tmp_path)
     FAT5Config.from_pretrained(tmp_path)
+
+
+# -- dropout_rate overrides reach attention, as in T5 ----------------------------------------------------------------
+
+
+def training_outputs_differ(model):
+    """Whether two forwards in training mode give different logits (some dropout is on)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    inputs = {"input_ids": torch.randint(2, 100, (2, 7), generator=generator),
+              "decoder_input_ids": torch.randint(2, 100, (2, 5), generator=generator)}
+    model.train()
+    with torch.no_grad():
+        return not torch.equal(model(**inputs).logits, model(**inputs).logits)
+
+
+@pytest.fixture(scope="module")
+def flan_with_dropout(tmp_path_factory):
+    """A FLAN-T5-shaped checkpoint with Google's dropout_rate 0.1, and its FAT5 conversion."""
+    from convert.flan_to_fat5 import main as convert_main
+    from t5_checkpoints import make_t5_checkpoint
+
+    root = tmp_path_factory.mktemp("dropout")
+    source = make_t5_checkpoint("flan-t5", root / "flan", dropout_rate=0.1)
+    assert convert_main([str(source), str(root / "fat5"), "--no-verify"]) == 0
+    return source, root / "fat5"
+
+
+def test_the_converter_writes_attention_dropout_only_where_it_differs_from_dropout_rate(flan_with_dropout):
+    config = json.loads((flan_with_dropout[1] / "config.json").read_text())
+    assert config["dropout_rate"] == 0.1 and "attention_dropout_rate" not in config
+
+
+@pytest.mark.parametrize("written", [None, 0.1], ids=["converted-now", "converted-before"])
+def test_a_dropout_rate_override_at_load_turns_attention_dropout_off_as_in_t5(flan_with_dropout, tmp_path, written):
+    """`from_pretrained(folder, dropout_rate=0.0)` makes training deterministic, as it does for T5, also for a
+    folder whose config.json spells out the attention dropout equal to dropout_rate (as converters before wrote
+    it); an explicit attention_dropout_rate is kept."""
+    from transformers import AutoModelForSeq2SeqLM, T5ForConditionalGeneration
+
+    source, folder = flan_with_dropout
+    if written is not None:
+        (tmp_path / "legacy").mkdir()
+        for file in folder.iterdir():
+            (tmp_path / "legacy" / file.name).symlink_to(file)
+        config = json.loads((folder / "config.json").read_text())
+        (tmp_path / "legacy" / "config.json").unlink()
+        (tmp_path / "legacy" / "config.json").write_text(json.dumps({**config, "attention_dropout_rate": written}))
+        folder = tmp_path / "legacy"
+    assert training_outputs_differ(T5ForConditionalGeneration.from_pretrained(source))
+    assert not training_outputs_differ(T5ForConditionalGeneration.from_pretrained(source, dropout_rate=0.0))
+
+    def load(**fields):
+        return AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True, attention_backend="sdpa",
+                                                     **fields)
+
+    assert load().config.attention_dropout_rate == 0.1 and training_outputs_differ(load())
+    off = load(dropout_rate=0.0)
+    assert off.config.attention_dropout_rate == 0.0 and not training_outputs_differ(off)
+    attention_only = load(dropout_rate=0.0, attention_dropout_rate=0.1)
+    assert attention_only.config.attention_dropout_rate == 0.1 and training_outputs_differ(attention_only)

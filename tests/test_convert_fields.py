@@ -27,7 +27,7 @@ SHAPE_FIELDS = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_deco
 OTHER_VALUES = {"feed_forward_proj": "gated-silu", "id2label": {"0": "neg", "1": "pos"},
                 "label2id": {"neg": 0, "pos": 1}, "problem_type": "regression", "prefix": "summarize: ",
                 "task_specific_params": {"summarization": {"prefix": "summarize: ", "num_beams": 4}},
-                "pruned_heads": {"0": [1]}, "n_positions": 512}
+                "pruned_heads": {"0": [1]}, "n_positions": 512, "attention_dropout_rate": 0.25}
 # transformers' T5 config fields, the two generic ones pipelines read, and a key no config class knows.
 T5_FIELDS = sorted((set(T5Config().to_dict()) | {"prefix", "task_specific_params", "n_positions"})
                    - set(DERIVED_FIELDS))

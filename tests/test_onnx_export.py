@@ -1,4 +1,5 @@
-"""ONNX export through optimum (`python -m convert.onnx_fat5`): onnxruntime generates PyTorch's tokens.
+"""ONNX export through optimum (`python -m convert.onnx_fat5`, `optimum-cli export onnx --trust-remote-code`,
+`ORTModelForSeq2SeqLM.from_pretrained(..., export=True)`): onnxruntime generates PyTorch's tokens.
 
 optimum's exporter requires transformers < 4.58, so these tests run where `fat5[onnx]` is installed (transformers
 4.57) and are skipped elsewhere.
@@ -90,3 +91,74 @@ def test_out_inside_the_folder_is_refused_and_a_failed_export_leaves_nothing(exp
     assert capsys.readouterr().err == (f"error: writing {out} failed (No space left on device); nothing was "
                                        f"written to {out}\n")
     assert list(tmp_path.iterdir()) == []  # neither OUT nor a staging folder
+
+
+# optimum's own routes, in a process that cannot import this repository (a Hub user's): loading the folder's config
+# registers optimum's T5 ONNX config for model type "fat5" (fat5/integrations_fat5.py). As for a local T5 folder,
+# optimum-cli needs --task (it infers tasks only for Hub models).
+OPTIMUM_CLI = """
+import json, sys
+from optimum.commands.optimum_cli import main
+
+folder, out, result = sys.argv[1], sys.argv[2], sys.argv[3]
+sys.argv = ["optimum-cli", "export", "onnx", "--model", folder, "--trust-remote-code", "--task",
+            "text2text-generation-with-past", out]
+try:
+    main()
+except Exception as error:
+    json.dump({"error": f"{type(error).__name__}: {error}"}, open(result, "w"))
+else:
+    json.dump({"error": None}, open(result, "w"))
+"""
+ORT_EXPORT_AT_LOAD = """
+import json, sys
+from optimum.onnxruntime import ORTModelForSeq2SeqLM
+from transformers import AutoTokenizer
+
+folder, prompts, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+model = ORTModelForSeq2SeqLM.from_pretrained(folder, export=True, trust_remote_code=True)
+tokens = model.generate(**tokenizer(prompts, return_tensors="pt", padding=True), max_new_tokens=12)
+json.dump({"tokens": tokens.tolist()}, open(out, "w"))
+"""
+
+
+def pytorch_tokens(folder):
+    from transformers import AutoTokenizer
+
+    from fat5 import FAT5ForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    batch = tokenizer([prompt for prompt, _ in DEMO_PROMPTS], return_tensors="pt", padding=True)
+    return batch, FAT5ForConditionalGeneration.from_pretrained(folder).generate(**batch, max_new_tokens=12)
+
+
+def test_optimum_cli_exports_a_fat5_folder(exported, tmp_path):
+    from optimum.onnxruntime import ORTModelForSeq2SeqLM
+
+    from isolated import run_isolated
+
+    folder, _ = exported
+    result = run_isolated(OPTIMUM_CLI, [folder, tmp_path / "onnx"], tmp_path)
+    assert result["error"] is None
+    batch, expected = pytorch_tokens(folder)
+    onnx_model = ORTModelForSeq2SeqLM.from_pretrained(tmp_path / "onnx", trust_remote_code=True)
+    assert torch.equal(onnx_model.generate(**batch, max_new_tokens=12), expected)
+
+
+def test_ort_model_exports_a_fat5_folder_at_load(exported, tmp_path):
+    from isolated import run_isolated
+
+    folder, _ = exported
+    result = run_isolated(ORT_EXPORT_AT_LOAD, [folder, json.dumps([prompt for prompt, _ in DEMO_PROMPTS])], tmp_path)
+    assert torch.equal(torch.tensor(result["tokens"]), pytorch_tokens(folder)[1])
+
+
+def test_optimum_cli_refuses_a_position_type_without_onnx_config(tmp_path, tiny_config):
+    from fat5 import FAT5ForConditionalGeneration
+    from isolated import run_isolated
+
+    FAT5ForConditionalGeneration(tiny_config(position_encoding_type="rope")).save_pretrained(tmp_path / "rope")
+    result = run_isolated(OPTIMUM_CLI, [tmp_path / "rope", tmp_path / "onnx"], tmp_path)
+    assert result["error"] == ("ValueError: position_encoding_type 'rope' has no ONNX config: only 't5' (T5's "
+                               "relative bias) exports to ONNX")

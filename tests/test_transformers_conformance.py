@@ -3,7 +3,6 @@ checked on FAT5 (the README's "transformers conformance" list says which checks 
 answers the same question, T5 built from the same config is the spec."""
 
 import copy
-import json
 
 import pytest
 import torch
@@ -229,22 +228,34 @@ def test_dynamically_quantized_model_generates():
     assert beams.shape == (2, 4)
 
 
+def embedding_names(names):
+    return [name for name in names if "embed_tokens" in name or name.startswith("shared")]
+
+
 @pytest.mark.parametrize("model_class", [fat5.FAT5Model, FAT5ForConditionalGeneration, fat5.FAT5EncoderModel])
 def test_stacks_are_models_owning_the_shared_embedding(model_class):
     model = build(model_class)
+    t5_twin = build(T5_OF[model_class])
     for name in ("encoder", "decoder"):
         stack = getattr(model, name, None)
         if stack is None:
             continue
         assert isinstance(stack, PreTrainedModel)
-        assert stack.get_input_embeddings() is model.shared
-        assert dict(stack.named_children())["embed_tokens"] is model.shared
+        assert stack.get_input_embeddings().weight is model.shared.weight
+        assert dict(stack.named_children())["embed_tokens"].weight is model.shared.weight
         assert stack.dtype == torch.float32 and stack.device.type == "cpu"
         moved = copy.deepcopy(stack).to(torch.float64)
         assert moved.get_input_embeddings().weight.dtype == torch.float64
-    # One tensor under one name: the model's state dict (what is saved) has no embed_tokens copies.
-    assert [name for name in model.state_dict() if "embed_tokens" in name or name == "shared.weight"] == \
-        ["shared.weight"]
+    # One Parameter under the names T5's state dict has (accelerate's offload hooks look each one up), a module per
+    # stack as in transformers 5's T5 (4.57's T5 lists one module under `shared`), one parameter to train.
+    assert embedding_names(model.state_dict()) == embedding_names(t5_twin.state_dict())
+    stacks = [name for name in ("encoder", "decoder") if hasattr(model, name)]
+    assert embedding_names(name for name, _ in model.named_modules()) == \
+        ["shared", *(f"{name}.embed_tokens" for name in stacks)]
+    if TRANSFORMERS_5:
+        assert embedding_names(name for name, _ in model.named_modules()) == \
+            embedding_names(name for name, _ in t5_twin.named_modules())
+    assert embedding_names(name for name, _ in model.named_parameters()) == ["shared.weight"]
     new_embedding = nn.Embedding(VOCAB + 8, SHAPES["d_model"])
     model.set_input_embeddings(new_embedding)
     assert model.encoder.get_input_embeddings() is new_embedding
@@ -262,20 +273,33 @@ def test_saved_files_keep_t5_names_and_loading_ties_again(tmp_path):
         assert "shared.weight" in names and not [name for name in names if "embed_tokens" in name]
         assert ("lm_head.weight" in names) != tied
         loaded = FAT5ForConditionalGeneration.from_pretrained(folder).eval()
-        assert loaded.encoder.embed_tokens is loaded.shared and loaded.decoder.embed_tokens is loaded.shared
+        assert loaded.encoder.embed_tokens.weight is loaded.shared.weight
+        assert loaded.decoder.embed_tokens.weight is loaded.shared.weight
         assert (loaded.lm_head.weight is loaded.shared.weight) == tied
         assert torch.equal(run(loaded).logits, run(model).logits)
 
 
+def shifted(model):
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    return model
+
+
 def test_state_dict_round_trip_through_plain_torch():
     model = build(FAT5ForConditionalGeneration)
-    other = build(FAT5ForConditionalGeneration, num_decoder_layers=3)
-    with torch.no_grad():
-        for parameter in other.parameters():
-            parameter.add_(1.0)
-    other.load_state_dict(model.state_dict())  # strict: the stacks' embedding names are filled from shared.weight
-    assert other.encoder.embed_tokens is other.shared
+    other = shifted(build(FAT5ForConditionalGeneration, num_decoder_layers=3))
+    other.load_state_dict(model.state_dict())
+    assert other.encoder.embed_tokens.weight is other.shared.weight
     assert torch.equal(other.shared.weight, model.shared.weight)
+    # A state dict that names the embedding once (FAT5's before the stacks' names appeared, or a checkpoint file's
+    # tensors) loads strictly too, the stacks' names filled from shared.weight; so does one loaded with assign=True.
+    once = {name: tensor for name, tensor in model.state_dict().items() if "embed_tokens" not in name}
+    for assign in (False, True):
+        again = shifted(build(FAT5ForConditionalGeneration))
+        again.load_state_dict({name: tensor.clone() for name, tensor in once.items()}, assign=assign)
+        assert again.decoder.embed_tokens.weight is again.shared.weight
+        assert torch.equal(run(again).logits, run(model).logits)
 
 
 def encoder_and_inputs():
@@ -291,6 +315,17 @@ def test_encoder_exports_with_strict_torch_export():
     program = torch.export.export(encoder, (), kwargs=inputs, strict=True)
     output = program.module()(**inputs)
     assert close(output.last_hidden_state, expected)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_the_seq2seq_model_exports_with_torch_export(strict):
+    """What the README points to for a graph of the whole model (transformers 4.57's `utils.fx.symbolic_trace`
+    traces only transformers' own classes, and FX cannot follow FAT5's input checks)."""
+    model = build(FAT5ForConditionalGeneration, attention_backend="sdpa")
+    inputs = {**inputs_for(FAT5ForConditionalGeneration), "use_cache": False}
+    program = torch.export.export(model, (), kwargs=inputs, strict=strict)
+    with torch.no_grad():
+        assert close(program.module()(**inputs).logits, model(**inputs).logits)
 
 
 def test_encoder_traces_with_torch_jit():
@@ -336,50 +371,6 @@ def test_auto_model_for_text_encoding_loads_the_encoder_of_a_seq2seq_folder(seq2
         assert torch.equal(tensor, full_encoder[name]), name
 
 
-EMBED_IN_A_HUB_USER_PROCESS = """
-import json, sys
-import torch
-from sentence_transformers import SentenceTransformer
-from sentence_transformers.base.modules import Transformer
-from sentence_transformers.sentence_transformer.modules import Pooling
-from transformers import AutoModel
-
-folder, sentences, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-base_model = AutoModel.from_pretrained(folder, trust_remote_code=True)
-transformer = Transformer(folder, model_kwargs={"trust_remote_code": True}, config_kwargs={"trust_remote_code": True})
-model = SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension(), "mean")],
-                            device="cpu")
-embeddings = model.encode(sentences, convert_to_tensor=True)
-json.dump({"auto_model": type(base_model).__name__, "encoder": type(transformer.auto_model).__name__,
-           "embeddings": embeddings.tolist()}, open(out, "w"))
-"""
-@pytest.mark.slow
-@needs_transformers_5
-def test_sentence_transformers_embeds_with_a_saved_encoder(seq2seq_folder, tmp_path):
-    """A folder saved by FAT5EncoderModel maps AutoModel (what sentence-transformers loads) to the encoder; in a
-    process with only the folder's code, as a Hub user has it."""
-    pytest.importorskip("sentence_transformers")
-    from transformers import AutoTokenizer
-
-    from isolated import run_isolated
-
-    encoder = fat5.FAT5EncoderModel.from_pretrained(seq2seq_folder).eval()
-    folder = tmp_path / "encoder"
-    encoder.save_pretrained(folder)
-    tokenizer = AutoTokenizer.from_pretrained(seq2seq_folder)
-    tokenizer.save_pretrained(folder)
-    sentences = ["the cat sat", "a longer sentence about a dog"]
-    result = run_isolated(EMBED_IN_A_HUB_USER_PROCESS, [folder, json.dumps(sentences)], tmp_path)
-    assert result["auto_model"] == result["encoder"] == "FAT5EncoderModel"
-    batch = tokenizer(sentences, padding=True, return_tensors="pt")
-    with torch.no_grad():
-        hidden = encoder(**batch).last_hidden_state
-    mask = batch["attention_mask"].unsqueeze(-1).float()
-    expected = (hidden * mask).sum(1) / mask.sum(1)
-    embeddings = torch.tensor(result["embeddings"])
-    assert close(embeddings, expected)
-
-
 def targeted_modules(model, peft_config):
     from peft import get_peft_model
 
@@ -397,6 +388,36 @@ def test_peft_methods_work_without_target_modules_as_for_t5(method):
     ours = targeted_modules(build(FAT5ForConditionalGeneration), configs[method]())
     t5 = targeted_modules(build(T5ForConditionalGeneration), configs[method]())
     assert ours and ours == t5
+
+
+def test_peft_targets_the_stacks_embeddings_as_in_t5():
+    """`target_modules=["embed_tokens"]` wraps both stacks' embeddings, as for transformers 5's T5 (4.57's T5 shares
+    one module under the name `shared`, so PEFT finds none there); the adapter starts as the identity and trains."""
+    peft = pytest.importorskip("peft")
+    lora = lambda: peft.LoraConfig(target_modules=["embed_tokens"])  # noqa: E731
+    model = build(FAT5ForConditionalGeneration)
+    expected = run(model).logits
+    wrapped = peft.get_peft_model(model, lora())
+    assert set(wrapped.base_model.targeted_module_names) == {"encoder.embed_tokens", "decoder.embed_tokens"}
+    if TRANSFORMERS_5:
+        assert set(wrapped.base_model.targeted_module_names) == targeted_modules(build(T5ForConditionalGeneration),
+                                                                                  lora())
+    with torch.no_grad():
+        assert torch.equal(wrapped(**inputs_for(FAT5ForConditionalGeneration)).logits, expected)
+    wrapped.train()
+    wrapped(**inputs_for(FAT5ForConditionalGeneration)).logits.sum().backward()
+    adapters = [parameter for name, parameter in wrapped.named_parameters() if "lora_embedding" in name]
+    assert len(adapters) == 4 and all(parameter.grad is not None for parameter in adapters)
+
+
+def test_hooks_on_the_input_embeddings_see_every_stacks_lookups():
+    """NEFTune, transformers 4.57's enable_input_require_grads and accelerate's offload of `shared` hook the module
+    `get_input_embeddings()` returns: the stacks' embeddings run through it."""
+    model = build(FAT5ForConditionalGeneration)
+    calls = []
+    model.get_input_embeddings().register_forward_hook(lambda module, args, output: calls.append(output.shape))
+    run(model)
+    assert calls == [(2, 6, SHAPES["d_model"]), (2, 4, SHAPES["d_model"])]
 
 
 def generate_structure(model, **arguments):

@@ -18,6 +18,7 @@ from t5_twins import (
     ENCODER_ONLY,
     SHAPES,
     T5_OF,
+    TRANSFORMERS_5,
     VOCAB,
     build,
     close,
@@ -389,3 +390,76 @@ def test_prompt_lookup_and_beam_sampling_generate_as_in_t5():
         sampled[model_class] = build(model_class, **EQUAL_DEPTHS).generate(**inputs, do_sample=True, num_beams=2,
                                                            num_return_sequences=2, **arguments).shape
     assert sampled[FAT5ForConditionalGeneration] == sampled[T5ForConditionalGeneration] == (4, 5)
+
+
+# -- forward arguments ------------------------------------------------------------------------------------------------
+
+HEAD_MASKS = {"head_mask", "decoder_head_mask", "cross_attn_head_mask"}  # transformers 4.57's T5 only; FAT5 has none
+
+
+def outcome(call, model):
+    """"accepted", or the error a call raised with the class name left out (so FAT5's and T5's compare)."""
+    try:
+        call()
+    except (TypeError, ValueError) as error:
+        return f"{type(error).__name__}: {str(error).splitlines()[0].replace(type(model).__name__, 'MODEL')}"
+    return "accepted"
+
+
+@pytest.mark.parametrize("model_class", FAT5_CLASSES, **by_name)
+def test_an_unknown_forward_keyword_is_treated_as_t5_treats_it(model_class):
+    """transformers 4.57's T5 raises TypeError for a keyword its forward does not take (a misspelt `label=`),
+    transformers 5's ignores it: FAT5 does what the installed release's T5 does."""
+    results = []
+    for cls in (model_class, T5_OF[model_class]):
+        model = build(cls)
+        results.append(outcome(lambda: model(**inputs_for(cls), label=torch.tensor([0, 1])), model))  # noqa: B023
+    assert results[0] == results[1]
+    assert results[0] == ("accepted" if TRANSFORMERS_5 else
+                          "TypeError: MODEL.forward() got an unexpected keyword argument 'label'")
+
+
+@pytest.mark.parametrize("model_class", FAT5_CLASSES, **by_name)
+def test_every_argument_t5s_forward_takes_is_taken(model_class):
+    """What transformers passes a T5 forward (generate's `cache_position`, the cache under either name, ...) is
+    taken by FAT5's on every release, head masks aside; introspection sees **kwargs exactly where T5 has them."""
+    t5_class = T5_OF[model_class]
+    t5_parameters = inspect.signature(t5_class.forward).parameters
+    names = {name for name, parameter in t5_parameters.items()
+             if parameter.kind is not inspect.Parameter.VAR_KEYWORD and name != "self"} - HEAD_MASKS
+    names -= set(inputs_for(t5_class)) | {"return_dict"}
+    model = build(model_class)
+    with torch.no_grad():
+        model(**inputs_for(model_class), **{name: None for name in names}, return_dict=True)
+    takes_any = [any(parameter.kind is inspect.Parameter.VAR_KEYWORD
+                     for parameter in inspect.signature(cls.forward).parameters.values())
+                 for cls in (model_class, t5_class)]
+    assert takes_any[0] == takes_any[1]
+
+
+def test_trainer_passes_the_loss_its_token_count_on_every_release():
+    from transformers import Trainer, TrainingArguments
+
+    for model_class, expected in ((FAT5ForConditionalGeneration, True), (fat5.FAT5ForTokenClassification, True),
+                                  (fat5.FAT5ForSequenceClassification, False), (fat5.FAT5ForQuestionAnswering, False)):
+        arguments = TrainingArguments(output_dir="unused", report_to="none", use_cpu=True)
+        assert Trainer(model=build(model_class), args=arguments).model_accepts_loss_kwargs == expected
+
+
+def test_generate_treats_an_unknown_keyword_as_t5s_generate():
+    results = []
+    for cls in (FAT5ForConditionalGeneration, T5ForConditionalGeneration):
+        model = build(cls)
+        results.append(outcome(lambda: model.generate(**generate_inputs(), max_new_tokens=2, label=1), model))  # noqa: B023
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("model_class", FAT5_CLASSES, **by_name)
+def test_dummy_inputs_run_a_forward(model_class):
+    """`model(**model.dummy_inputs)`, as transformers' tools use it; the encoder-decoders' dummy batch has T5's
+    fields (T5's encoder-only classes add decoder inputs their forward refuses on transformers 4.57)."""
+    model = build(model_class)
+    with torch.no_grad():
+        first_tensor(model(**model.dummy_inputs))
+    if model_class in ENCODER_DECODER:
+        assert set(model.dummy_inputs) == set(build(T5_OF[model_class]).dummy_inputs)

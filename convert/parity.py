@@ -29,7 +29,12 @@ def parity_batch(folder, reference):
     when it has one, else random token ids. Returns (batch, description)."""
     from transformers import AutoTokenizer
 
+    import fat5
+
     if (Path(folder) / "tokenizer_config.json").is_file():
+        # A written FAT5 folder names FAT5's code in config.json: unregistered, transformers 5's AutoTokenizer would
+        # ask whether to run it (and wait 15 s in a terminal).
+        fat5.register_auto_classes()
         tokenizer = AutoTokenizer.from_pretrained(folder)
         batch = tokenizer(list(PARITY_TEXTS), padding=True, return_tensors="pt")
         labels = tokenizer([text.split(":")[0] for text in PARITY_TEXTS], padding=True, return_tensors="pt")

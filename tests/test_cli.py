@@ -222,3 +222,15 @@ def test_a_model_that_generates_wrongly_with_its_cache_is_refused(flan, tmp_path
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("error: generation check failed: at step 2 of greedy generation"), error
     assert not (tmp_path / "out").exists()
+
+
+def test_a_conversion_asks_no_question(tmp_path):
+    """The parity proof loads the written folder's tokenizer: on transformers 5 an unregistered FAT5 folder makes
+    AutoTokenizer ask whether to run its code, and wait 15 s for an answer in a terminal. The converter registers
+    FAT5 first, as FAT5's commands do before they load a folder."""
+    from convert.demo import DEMO_CHECKPOINT
+
+    result = subprocess.run([sys.executable, "-m", "convert.flan_to_fat5", str(DEMO_CHECKPOINT), str(tmp_path / "out")],
+                            cwd=REPO, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Do you wish to run the custom code?" not in result.stdout + result.stderr

@@ -56,7 +56,7 @@ ALIBI_MODES = {"symetric": "symmetric", "asymetric": "asymmetric"}  # flashT5's 
 FIRE_NORMALIZER = {"fire_normalizer_offset": 0, "fire_normalizer_eps": 1e-6}
 # How flashT5 computes, not what: kernels and bias layouts of the same values (FAT5 picks its own backend,
 # --attn-implementation). `use_triton_crossentropy` also averages the training loss over ignored (-100) rows; FAT5
-# computes the loss of flashT5's torch path, which averages over labelled tokens (see README).
+# computes the loss of flashT5's torch path, which averages over labelled tokens (docs/conversion.md).
 IMPLEMENTATION_FIELDS = ("attention_type", "use_triton_layernorm", "use_triton_gated_mlp", "use_triton_crossentropy",
                          "crossentropy_inplace_backward", "use_full_bias_size")
 # flashT5's limit on sequence lengths (its RoPE and ALiBi tables, its random positions); FAT5 has none and computes

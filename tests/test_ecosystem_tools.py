@@ -244,7 +244,7 @@ json.dump({"class": type(tokenizer).__name__, "ids": tokenizer("reverse: the cat
 @pytest.mark.parametrize("route", ["trust_remote_code", "fat5 used", "neither"])
 def test_the_tokenizer_loads_without_a_question_by_the_documented_routes(demo_fat5, tmp_path, route):
     """transformers 5 reads config.json first and asks whether to run the folder's code when `trust_remote_code`
-    is not given (no file in the folder can avoid that: README "Tokenizer"); with it, or in a process that used
+    is not given (no file in the folder can avoid that: docs/using.md, "Tokenizer"); with it, or in a process that used
     FAT5's classes, it asks nothing. transformers 4.57 never asks. Every route loads the T5 tokenizer."""
     args = [demo_fat5, "trust" if route == "trust_remote_code" else "-", "fat5" if route == "fat5 used" else "-"]
     if route == "fat5 used":  # a process where FAT5 is installed: the repository stays importable

@@ -100,7 +100,7 @@ def write(path, rows):
 
 @pytest.fixture(scope="session")
 def demo_fat5(tmp_path_factory):
-    """The bundled demo T5 converted to a FAT5 folder, as the README does."""
+    """The bundled demo T5 converted to a FAT5 folder, as the README's quick start does."""
     out = tmp_path_factory.mktemp("demo") / "fat5-demo"
     subprocess.run([sys.executable, "-m", "convert.flan_to_fat5", str(REPO / "convert" / "demo_t5"), str(out),
                     "--no-verify"], cwd=REPO, check=True, capture_output=True)

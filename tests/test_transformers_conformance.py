@@ -1,6 +1,6 @@
 """FAT5 as a drop-in for transformers' T5: what transformers' ModelTesterMixin / GenerationTesterMixin check on T5,
-checked on FAT5 (the README's "transformers conformance" list says which checks do not apply and why). Where T5
-answers the same question, T5 built from the same config is the spec."""
+checked on FAT5 (docs/using.md, "How FAT5 differs from transformers' T5", says which checks do not apply and why).
+Where T5 answers the same question, T5 built from the same config is the spec."""
 
 import copy
 
@@ -319,7 +319,7 @@ def test_encoder_exports_with_strict_torch_export():
 
 @pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
 def test_the_seq2seq_model_exports_with_torch_export(strict):
-    """What the README points to for a graph of the whole model (transformers 4.57's `utils.fx.symbolic_trace`
+    """What docs/using.md points to for a graph of the whole model (transformers 4.57's `utils.fx.symbolic_trace`
     traces only transformers' own classes, and FX cannot follow FAT5's input checks)."""
     model = build(FAT5ForConditionalGeneration, attention_backend="sdpa")
     inputs = {**inputs_for(FAT5ForConditionalGeneration), "use_cache": False}

@@ -1,6 +1,6 @@
 """The behaviours transformers' own model tests (`ModelTesterMixin`, `GenerationTesterMixin`) check on T5, checked
 on every FAT5 class in our own words. Where T5 answers the same question, T5 built from the same config is the spec;
-the README's "transformers conformance" list says where FAT5 differs on purpose."""
+docs/using.md ("How FAT5 differs from transformers' T5") says where FAT5 differs on purpose."""
 
 import inspect
 

@@ -8,7 +8,7 @@ from .models import PRESETS
 
 # Every pretraining default that is not a flag's own: TrainingArguments' values changed here, and those that
 # depend on the start (a new model follows nanoT5 and FAT5; a converted checkpoint continues with AdamW and
-# keeps its z-loss). --help, the docstring and the README quote these.
+# keeps its z-loss). --help, the docstring and docs/pretraining.md quote these.
 DEFAULTS = {
     "trainer": dict(lr_scheduler_type="cosine", logging_steps=10, report_to="none"),
     "optimizer": {"new model": "adamw_scale", "checkpoint": "adamw"},

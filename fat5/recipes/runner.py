@@ -162,15 +162,19 @@ def load_splits(data_args, format_args, training_args):
 
 
 class OnceEach(logging.Filter):
-    """Lets each message through once: transformers repeats some warnings for every batch (on 5.24, generate()'s
-    "Both `max_new_tokens` and `max_length` seem to have been set" once Seq2SeqTrainer has put the default
-    max_length into the model's generation config)."""
+    """Lets each of transformers' messages through once: it repeats some warnings for every batch (on 5.24,
+    generate()'s "Both `max_new_tokens` and `max_length` seem to have been set" once Seq2SeqTrainer has put the
+    default max_length into the model's generation config). One filter sits on transformers' handler and on the
+    root logger's: with `CI` set, transformers also propagates its records to the root logger, and a record the
+    first handler printed is then not printed again."""
 
     def __init__(self):
         super().__init__()
         self.seen = set()
 
     def filter(self, record):
+        if not record.name.startswith("transformers"):
+            return True
         key = (record.name, record.levelno, record.getMessage())
         if key in self.seen:
             return False
@@ -187,7 +191,8 @@ def setup_logging(training_args):
     transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
     transformers.utils.logging.enable_default_handler()
     once = OnceEach()  # a new one each run
-    for handler in transformers.utils.logging.get_logger().handlers:  # transformers' own (its default handler)
+    # transformers' own handler (its default one), and the root logger's, which `CI=1` makes transformers reach
+    for handler in [*transformers.utils.logging.get_logger().handlers, *logging.getLogger().handlers]:
         for earlier in [each for each in handler.filters if isinstance(each, OnceEach)]:
             handler.removeFilter(earlier)
         handler.addFilter(once)

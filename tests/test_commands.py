@@ -81,6 +81,14 @@ def test_help_and_a_bad_flag_answer_before_torch_and_transformers_load(command):
 
 
 @pytest.mark.parametrize("command", ["train", "translation", "summarization", "classify", "pretrain"])
+def test_a_bad_trainer_value_answers_before_torch_and_transformers_load(command):
+    """A Trainer flag of a numeric or bool type is checked from transformers' source (fat5/training/flags.py)."""
+    status, _, err, heavy = fat5_in_process([command, "--learning_rate", "abc"])
+    assert status == EXIT_BAD_INPUT and not heavy, (err[-2000:], heavy)
+    assert len(err.splitlines()) == 1 and "--learning_rate" in err and "invalid float value: 'abc'" in err, err
+
+
+@pytest.mark.parametrize("command", ["train", "translation", "summarization", "classify", "pretrain"])
 def test_help_lists_the_commands_own_flags_and_points_to_the_trainers(command):
     """--help: the command's flags, and one line on the Trainer's (their count read from transformers' source);
     --help-all adds them."""

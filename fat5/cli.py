@@ -33,6 +33,7 @@ EXIT_CHECK_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process SIGTERM ended
+EXIT_OUTPUT_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for `yes | head`, whose reader stopped reading
 # The signals `run` handles: the word of its one line, and its exit status.
 STOPPED_BY = {signal.SIGINT: ("interrupted", EXIT_INTERRUPTED), signal.SIGTERM: ("terminated", EXIT_TERMINATED)}
 
@@ -259,9 +260,15 @@ def exit_with(main):
     command is over, and its exit status says how it ended."""
     try:
         code = main()
+        sys.stdout.flush()  # a reader gone early shows here, not as a traceback while Python exits
     except KeyboardInterrupt:  # raised between main's own handler and here
         print("interrupted", file=sys.stderr)
         code = EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # Standard output's reader stopped reading (`fat5 --help | head`): it has what it wanted. Nothing more can
+        # be written there, so it points at /dev/null for Python's own flush at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = EXIT_OUTPUT_CLOSED
     for number in STOPPED_BY:
         signal.signal(number, signal.SIG_IGN)
     if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):

@@ -3,13 +3,14 @@ transformers load (the Trainer's flags behind --help-all), as does a bad flag's 
 optional library is one line naming the `pip install "fat5[EXTRA]"` that installs it, exit status 2."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from fat5.cli import EXIT_BAD_INPUT, run
+from fat5.cli import EXIT_BAD_INPUT, EXIT_OUTPUT_CLOSED, run
 from fat5.commands import COMMANDS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,6 +79,14 @@ def test_help_and_a_bad_flag_answer_before_torch_and_transformers_load(command):
     assert status == EXIT_BAD_INPUT and not heavy, (err[-2000:], heavy)
     # The flag, or the arguments a command requires before it (argparse says which comes first).
     assert len(err.splitlines()) == 1 and "error: " in err and ("--no-such-flag" in err or "required" in err), err
+
+
+@pytest.mark.parametrize("command", ["train", "translation", "summarization", "classify", "pretrain"])
+def test_a_bad_trainer_value_answers_before_torch_and_transformers_load(command):
+    """A Trainer flag of a numeric or bool type is checked from transformers' source (fat5/training/flags.py)."""
+    status, _, err, heavy = fat5_in_process([command, "--learning_rate", "abc"])
+    assert status == EXIT_BAD_INPUT and not heavy, (err[-2000:], heavy)
+    assert len(err.splitlines()) == 1 and "--learning_rate" in err and "invalid float value: 'abc'" in err, err
 
 
 @pytest.mark.parametrize("command", ["train", "translation", "summarization", "classify", "pretrain"])
@@ -181,3 +190,16 @@ assert type(AutoModelForSeq2SeqLM.from_config(config)) is FAT5ForConditionalGene
 """
     process = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert process.returncode == 0, process.stderr[-3000:]
+
+
+def test_a_reader_that_stops_early_ends_the_command_without_a_traceback():
+    """`fat5 --help | head -1`: standard output's reader is gone (here before the command writes a byte); the command
+    ends quietly with 128 + SIGPIPE, as a shell reports for a command a pipe cut short."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        process = subprocess.run([sys.executable, "-m", "fat5", "--help"], stdout=write, stderr=subprocess.PIPE,
+                                 text=True)
+    finally:
+        os.close(write)
+    assert process.returncode == EXIT_OUTPUT_CLOSED and process.stderr == "", process.stderr

@@ -3,11 +3,12 @@
 A command's own flags are dataclasses that transformers' `HfArgumentParser` reads together with `TrainingArguments`
 once the command runs; importing those takes seconds (transformers' training modules import torch). `CommandFlags`
 first reads the command line with the standard library: the command's own flags typed as HfArgumentParser types
-them (and checked by their dataclasses), the Trainer's by name only, read from transformers' installed source
-without importing it. So `--help` (the command's own flags, and a line on the Trainer's), an unknown flag and a bad
-value of an own flag answer at once. The full parse by HfArgumentParser that follows remains the authority (it
-checks the Trainer flags' values); tests/test_command_flags.py holds the two to the same flags under every tested
-transformers.
+them (and checked by their dataclasses), the Trainer's read from transformers' installed source without importing
+it: their names, and the type of those annotated `int`, `float` or `bool` (or that `| None`). So `--help` (the
+command's own flags, and a line on the Trainer's), an unknown flag and a bad value of an own flag or of a typed
+Trainer flag answer at once. The full parse by HfArgumentParser that follows remains the authority (it checks the
+other Trainer flags' values, such as names of schedulers); tests/test_command_flags.py holds the two to the same
+flags and types under every tested transformers.
 
 Only the standard library is imported here.
 """
@@ -23,6 +24,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from fat5.cli import CommandError
 
@@ -75,10 +77,34 @@ def _with_option_strings(action, names):
     return shown
 
 
+class TrainerField(NamedTuple):
+    """A Trainer flag as read from transformers' source."""
+
+    has_negative: bool  # a bool field that defaults to True: it has a --no_ flag too
+    kind: type | None  # int, float or bool: the type HfArgumentParser reads its value as; None: another type
+    bare: bool = False  # a bool flag that may come without a value (meaning True): HfArgumentParser allows it for a
+    # field annotated `bool`, or with a default other than None
+
+
+# Annotations whose values the light parser checks, as their text in transformers' source (blanks removed), with
+# `Optional[X]`, `X | None` and `None | X` read as X. Other annotations (enums, unions, dicts, lists) take any values
+# here: the full parse judges them.
+SCALAR_ANNOTATIONS = {"int": int, "float": float, "bool": bool}
+
+
+def _scalar_kind(annotation):
+    """(SCALAR_ANNOTATIONS' type or None, whether the annotation admits None)."""
+    text = ast.unparse(annotation).replace(" ", "")
+    plain = text.removesuffix("|None").removeprefix("None|")
+    if plain.startswith("Optional[") and plain.endswith("]"):
+        plain = plain[len("Optional["):-1]
+    return SCALAR_ANNOTATIONS.get(plain), plain != text
+
+
 def trainer_fields(class_name):
-    """{field name: True for a bool field that defaults to True (it has a --no_ flag too)} of a transformers
-    Trainer arguments dataclass (TRAINER_CLASSES), read from the installed source without importing it; None when
-    the source cannot be read so (the full parse then judges every flag)."""
+    """{field name: TrainerField} of a transformers Trainer arguments dataclass (TRAINER_CLASSES), read from the
+    installed source without importing it; None when the source cannot be read so (the full parse then judges every
+    flag)."""
     spec = importlib.util.find_spec("transformers")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -100,7 +126,7 @@ def trainer_fields(class_name):
 
 
 def _init_fields(body):
-    """{name: defaults to True} of the annotated class-body assignments that are `__init__` fields."""
+    """{name: TrainerField} of the annotated class-body assignments that are `__init__` fields."""
     found = {}
     for node in body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
@@ -108,13 +134,26 @@ def _init_fields(body):
         if "ClassVar" in ast.unparse(node.annotation):
             continue
         default = node.value
+        metadata = {}  # argparse keywords the field sets itself (HfArgumentParser applies them last)
         if isinstance(default, ast.Call) and ast.unparse(default.func) in ("field", "dataclasses.field"):
             keywords = {keyword.arg: keyword.value for keyword in default.keywords}
             if isinstance(keywords.get("init"), ast.Constant) and keywords["init"].value is False:
                 continue
             default = keywords.get("default")
-        is_bool = ast.unparse(node.annotation).replace(" ", "") in ("bool", "bool|None", "Optional[bool]")
-        found[node.target.id] = is_bool and isinstance(default, ast.Constant) and default.value is True
+            if isinstance(keywords.get("metadata"), ast.Dict):
+                metadata = {key.value: value for key, value in zip(keywords["metadata"].keys,
+                                                                   keywords["metadata"].values)
+                            if isinstance(key, ast.Constant)}
+        kind, optional = _scalar_kind(node.annotation)
+        has_negative = kind is bool and isinstance(default, ast.Constant) and default.value is True
+        defaults_to_none = default is None or (isinstance(default, ast.Constant) and default.value is None)
+        bare = kind is bool and (not optional or not defaults_to_none)
+        nargs = metadata.get("nargs")
+        if kind is bool and isinstance(nargs, ast.Constant) and nargs.value == "?":
+            bare = True
+        elif {"type", "choices", "nargs", "action"} & set(metadata):  # values read otherwise: left to the full parse
+            kind = None
+        found[node.target.id] = TrainerField(has_negative, kind, bare)
     return found
 
 
@@ -175,6 +214,16 @@ def add_dataclass_arguments(group, dataclass_type):
             group.add_argument(*negative, action="store_false", dest=flag.name, help=kwargs.get("help"))
 
 
+def _value_arguments(trainer_field):
+    """add_argument's arguments for a Trainer flag's values: as HfArgumentParser reads an int, float or bool field,
+    or any number of values, unchecked, for another type."""
+    if trainer_field.kind is bool:
+        return dict(type=string_to_bool, nargs="?", const=True) if trainer_field.bare else dict(type=string_to_bool)
+    if trainer_field.kind is not None:
+        return dict(type=trainer_field.kind)
+    return dict(nargs="*")
+
+
 class LightParser(argparse.ArgumentParser):
     def error(self, message):
         raise CommandError(f"{message} (see --help)")
@@ -223,11 +272,15 @@ class CommandFlags:
         for title, dataclass_type in self.groups:
             add_dataclass_arguments(parser.add_argument_group(title), dataclass_type)
             own.update(flag.name for flag in dataclasses.fields(dataclass_type))
-        for name, has_negative in (trainer_names or {}).items():
-            for options in option_strings(name, has_negative):
-                if options and name not in own:
-                    parser.add_argument(*options, nargs="*", dest=f"trainer {options[0]}", help=argparse.SUPPRESS,
-                                        default=argparse.SUPPRESS)
+        for name, trainer_field in (trainer_names or {}).items():
+            if name in own:
+                continue
+            options, negative = option_strings(name, trainer_field.has_negative)
+            parser.add_argument(*options, dest=f"trainer {name}", help=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                                **_value_arguments(trainer_field))
+            if negative:
+                parser.add_argument(*negative, nargs="*", dest=f"trainer {negative[0]}", help=argparse.SUPPRESS,
+                                    default=argparse.SUPPRESS)
         return parser
 
     def check(self, argv):

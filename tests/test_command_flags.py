@@ -1,74 +1,21 @@
 """fat5/training/flags.py reads a command line before torch and transformers load; HfArgumentParser reads it again
-once they have. The two must agree under every tested transformers: on the Trainer's flag names (read from
-transformers' source, not imported), on the command's own flags and on their values."""
+once they have. The two must agree under every tested transformers: on the command's own flags and on their values,
+and on the Trainer's flag names and types (tests/test_trainer_flags.py)."""
 
 import dataclasses
 import re
 
 import pytest
-import transformers
+from test_trainer_flags import options_of
 from transformers import HfArgumentParser
 
 from fat5.cli import CommandError
 from fat5.recipes import classify, predict, summarization, train, translation
 from fat5.recipes.command import recipe_flags
 from fat5.training import pretrain, pretraining
-from fat5.training.flags import TRAINER_CLASSES, option_strings, trainer_fields
+from fat5.training.flags import trainer_fields
 
 RECIPES = {"train": train, "translation": translation, "summarization": summarization, "classify": classify}
-
-
-def options_of(parser):
-    return {option for action in parser._actions for option in action.option_strings} - {"-h", "--help"}
-
-
-@pytest.mark.parametrize("class_name", list(TRAINER_CLASSES))
-def test_trainer_flags_read_from_source_are_the_ones_hf_argument_parser_makes(class_name):
-    fields = trainer_fields(class_name)
-    assert fields, f"transformers {transformers.__version__}: {class_name} not read from its source"
-    read = {option for name, field in fields.items() for options in option_strings(name, field.has_negative)
-            for option in options}
-    assert read == options_of(HfArgumentParser(getattr(transformers, class_name)))
-
-
-@pytest.mark.parametrize("class_name", list(TRAINER_CLASSES))
-def test_trainer_flags_typed_from_source_have_hf_argument_parsers_types(class_name):
-    """A Trainer flag the light parser types (int, float, bool) has that type in HfArgumentParser too, so the light
-    parser refuses only values the full parse would refuse; the common numeric and bool flags are among them."""
-    fields = trainer_fields(class_name)
-    full = {option: action for action in HfArgumentParser(getattr(transformers, class_name))._actions
-            for option in action.option_strings}
-    typed = {name: field.kind for name, field in fields.items() if field.kind is not None}
-    for name, kind in typed.items():
-        action = full[f"--{name}"]
-        if kind is bool:
-            expected_nargs = "?" if fields[name].bare else None  # `--tf32` alone: a value is required
-            assert action.type.__name__ == "string_to_bool" and action.nargs == expected_nargs, name
-        else:
-            assert action.type is kind and action.nargs is None, name
-    for name in ("learning_rate", "max_steps", "per_device_train_batch_size", "seed", "bf16", "warmup_steps"):
-        assert name in typed, (transformers.__version__, name)
-
-
-BAD_TRAINER_VALUES = [(["--learning_rate", "abc"], "invalid float value: 'abc'"),
-                      (["--max-steps", "2.5"], "invalid int value: '2.5'"),
-                      (["--bf16", "maybe"], "Truthy value expected")]
-
-
-@pytest.mark.parametrize("command", ["train", "pretrain"])
-@pytest.mark.parametrize("argv, says", BAD_TRAINER_VALUES, ids=[argv[0] for argv, _ in BAD_TRAINER_VALUES])
-def test_a_bad_value_of_a_typed_trainer_flag_is_refused_by_the_light_parser(command, argv, says, tmp_path,
-                                                                           monkeypatch):
-    """The light parser's line, as HfArgumentParser would word it (before torch and transformers load:
-    tests/test_commands.py); a good value of the same flags passes."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text("{}")
-    flags = command_flags()[command]
-    base = ["--model_name_or_path", "m"] if command in RECIPES else []
-    with pytest.raises(CommandError, match=re.escape(says)):
-        flags.check([*base, *argv])
-    flags.check([*base, "--learning_rate", "3e-4", "--max_steps", "2", "--bf16", "--bf16", "no"])
 
 
 def command_flags():
@@ -126,3 +73,24 @@ def test_pretraining_says_and_uses_its_own_learning_rate_defaults(tmp_path):
     assert pretraining.parse_args([*base, "--optimizer", "adamw"])[1].learning_rate == 1e-4
     for flag in ("--learning_rate", "--learning-rate", "--learning_r"):  # argparse takes unambiguous prefixes
         assert pretraining.parse_args([*base, flag, "3e-3"])[1].learning_rate == 3e-3
+
+
+BAD_TRAINER_VALUES = [(["--learning_rate", "abc"], "invalid float value: 'abc'"),
+                      (["--max-steps", "2.5"], "invalid int value: '2.5'"),
+                      (["--bf16", "maybe"], "Truthy value expected")]
+
+
+@pytest.mark.parametrize("command", ["train", "pretrain"])
+@pytest.mark.parametrize("argv, says", BAD_TRAINER_VALUES, ids=[argv[0] for argv, _ in BAD_TRAINER_VALUES])
+def test_a_bad_value_of_a_typed_trainer_flag_is_refused_by_the_light_parser(command, argv, says, tmp_path,
+                                                                           monkeypatch):
+    """The light parser's line, as HfArgumentParser would word it (before torch and transformers load:
+    tests/test_commands.py); a good value of the same flags passes."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    flags = command_flags()[command]
+    base = ["--model_name_or_path", "m"] if command in RECIPES else []
+    with pytest.raises(CommandError, match=re.escape(says)):
+        flags.check([*base, *argv])
+    flags.check([*base, "--learning_rate", "3e-4", "--max_steps", "2", "--bf16", "--bf16", "no"])

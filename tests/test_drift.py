@@ -22,7 +22,7 @@ from packaging.requirements import Requirement
 
 # Collected here too: the Trainer commands read transformers' Trainer flags from its source before it loads, so
 # each release must give them the names and types HfArgumentParser gives them (fat5/training/flags.py).
-from test_command_flags import (  # noqa: F401
+from test_trainer_flags import (  # noqa: F401
     test_trainer_flags_read_from_source_are_the_ones_hf_argument_parser_makes,
     test_trainer_flags_typed_from_source_have_hf_argument_parsers_types,
 )

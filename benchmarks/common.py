@@ -20,6 +20,8 @@ if str(ROOT) not in sys.path:
 
 import transformers  # noqa: E402
 
+from fat5.training.flags import HelpFormatter  # noqa: E402  (FAT5's commands' --help layout)
+
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 # Where results go by default: a folder of the current directory (git-ignored in a checkout), never the checkout's
 # tracked files; `--out benchmarks/results` keeps them with the repository on purpose.
@@ -203,16 +205,6 @@ def markdown_head(title, description, columns):
             "",
             "| " + " | ".join(columns) + " |",
             "|" + " --- |" * len(columns)]
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keeps the script's docstring as written; shows each default, except empty ones and those its help says."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False or action.default in ("", []) \
-                or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
 
 
 def argument_parser(docstring):

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from fat5.cli import CheckFailed, CliParser, CommandError, error_line, exit_with, require, run
+from fat5.files import exportable_fat5_config
 
 SAMPLE_TOKENS = 8  # decoded greedily by both, from a fixed sample of the vocabulary
 
@@ -31,29 +32,6 @@ def build_parser():
     parser.add_argument("--no-verify", action="store_true",
                         help="skip decoding a sample with CTranslate2 and PyTorch and comparing the tokens")
     return parser
-
-
-def check_convertible(folder):
-    """The folder's FAT5Config; one line for a folder that is not a FAT5 model CTranslate2's T5 loader takes."""
-    from fat5 import FAT5Config
-    from fat5.files import check_model_folder, read_json_object
-    from fat5.integrations_fat5 import t5_computation_problem
-
-    folder = Path(folder)
-    if not (folder / "config.json").exists():
-        raise CommandError(f"{folder} has no config.json: not a model folder")
-    check_model_folder(folder)
-    fields = read_json_object(folder / "config.json")
-    if fields.get("model_type") != "fat5":
-        raise CommandError(f"{folder} is a {fields.get('model_type')!r} model, not a FAT5 one")
-    try:
-        config = FAT5Config.from_dict(fields)
-    except ValueError as error:
-        raise CommandError(f"{folder}/config.json: {error_line(error)}") from error
-    problem = t5_computation_problem(config, "ctranslate2")
-    if problem is not None:
-        raise CommandError(problem)
-    return config
 
 
 def verify_tokens(folder, out, config):
@@ -89,7 +67,7 @@ def convert(args, progress):
     if not folder.is_dir():
         raise CommandError(f"FOLDER {folder} is not a directory")
     require("ct2", "ctranslate2")
-    config = check_convertible(folder)
+    config = exportable_fat5_config(folder, "ctranslate2")
     import ctranslate2
 
     output = AtomicOutput(folder, out, overwrite=args.overwrite, what="CTranslate2 conversion")

@@ -11,10 +11,9 @@ transformers 4.57 only.
 """
 
 import argparse
-from pathlib import Path
 
 from fat5.cli import CliParser, CommandError, exit_with, run
-from fat5.files import check_model_folder, read_json_object
+from fat5.files import exportable_fat5_config
 
 
 def build_parser():
@@ -35,28 +34,6 @@ def build_parser():
     return parser
 
 
-def check_exportable(folder):
-    """Refuse, with one line, a folder that is not a FAT5 model with T5's relative bias."""
-    config_path = Path(folder) / "config.json"
-    if not config_path.exists():
-        raise CommandError(f"{folder} has no config.json: not a model folder")
-    # optimum reads the tokenizer and generation files too: a bad one is one line here, not its traceback.
-    check_model_folder(folder)
-    config = read_json_object(config_path)
-    model_type = config.get("model_type")
-    if model_type != "fat5":
-        raise CommandError(f"{folder} is a {model_type!r} model, not a FAT5 one")
-    from fat5 import FAT5Config
-    from fat5.integrations_fat5 import t5_computation_problem
-
-    try:
-        problem = t5_computation_problem(FAT5Config.from_dict(config), "onnx")
-    except ValueError as error:
-        raise CommandError(f"{config_path}: {error}") from error
-    if problem is not None:
-        raise CommandError(problem)
-
-
 def register_fat5_onnx_config():
     """Export model type "fat5" with optimum's T5 ONNX config (what loading a FAT5 config does too once optimum's
     exporter is imported: fat5/integrations_fat5.py)."""
@@ -71,7 +48,7 @@ def register_fat5_onnx_config():
 
 
 def export(args, progress):
-    check_exportable(args.folder)
+    exportable_fat5_config(args.folder, "onnx")
     register_fat5_onnx_config()
     from optimum.exporters.onnx import main_export
 

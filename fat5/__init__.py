@@ -43,28 +43,16 @@ def __dir__():
 def register_auto_classes():
     """Import the model code and register it with transformers' Auto classes, as the first use of a name above does
     (FAT5's commands call it before they load a folder, so that they load it with this installation's classes)."""
-    from transformers import (
-        AutoConfig,
-        AutoModel,
-        AutoModelForQuestionAnswering,
-        AutoModelForSeq2SeqLM,
-        AutoModelForSequenceClassification,
-        AutoModelForTextEncoding,
-        AutoModelForTokenClassification,
-    )
+    import transformers
 
     from . import modeling_fat5, pipeline_fat5
     from .configuration_fat5 import FAT5Config
+    from .remote_code_fat5 import AUTO_MAP
 
-    auto_classes = {
-        AutoModel: modeling_fat5.FAT5Model,
-        AutoModelForSeq2SeqLM: modeling_fat5.FAT5ForConditionalGeneration,
-        AutoModelForSequenceClassification: modeling_fat5.FAT5ForSequenceClassification,
-        AutoModelForTokenClassification: modeling_fat5.FAT5ForTokenClassification,
-        AutoModelForQuestionAnswering: modeling_fat5.FAT5ForQuestionAnswering,
-        AutoModelForTextEncoding: modeling_fat5.FAT5EncoderModel,
-    }
-    AutoConfig.register(FAT5Config.model_type, FAT5Config, exist_ok=True)
+    # The Auto classes a checkpoint's auto_map names, with this installation's classes.
+    auto_classes = {getattr(transformers, auto_class): getattr(modeling_fat5, target.split(".")[1])
+                    for auto_class, target in AUTO_MAP.items() if auto_class != "AutoConfig"}
+    transformers.AutoConfig.register(FAT5Config.model_type, FAT5Config, exist_ok=True)
     for auto_class, model_class in auto_classes.items():
         auto_class.register(FAT5Config, model_class, exist_ok=True)
     globals().update(

@@ -7,7 +7,7 @@ from transformers import PretrainedConfig
 
 from .compat_fat5 import CACHE_NAME, warn_if_untested
 from .integrations_fat5 import register_with_imported_libraries
-from .pickling_fat5 import reduce_keeping_code_importable, shallow_copy
+from .pickling_fat5 import PicklesWithItsCode
 
 POSITION_ENCODING_TYPES = ("t5", "rope", "alibi", "fire", "none")
 ATTENTION_BACKENDS = ("auto", "eager", "sdpa", "triton")
@@ -74,7 +74,7 @@ _RULES = (
 FIELD_RULES = {name: (test, description) for names, test, description in _RULES for name in names}
 
 
-class FAT5Config(PretrainedConfig):
+class FAT5Config(PicklesWithItsCode, PretrainedConfig):
     r"""
     Configuration of a FAT5 encoder-decoder. Field names and defaults follow transformers' `T5Config`, so a T5
     user's configs carry over; FAT5 adds:
@@ -238,13 +238,6 @@ class FAT5Config(PretrainedConfig):
         # sentence-transformers, optimum and CTranslate2, when imported, learn FAT5 here: they read the config
         # first, then look the class up in their tables.
         register_with_imported_libraries(type(self))
-
-    def __reduce_ex__(self, protocol):
-        # Loaded with trust_remote_code, the config unpickles in a fresh process too (see pickling_fat5).
-        return reduce_keeping_code_importable(self, super().__reduce_ex__(protocol))
-
-    def __copy__(self):
-        return shallow_copy(self)
 
     def __setattr__(self, key, value):
         # Checked on every assignment, so `from_pretrained(..., dropout_rate=...)` (which sets attributes after

@@ -127,6 +127,31 @@ def check_trainer_json_files(flags):
             read_json_object(value, f"the --{name} file ")
 
 
+def exportable_fat5_config(folder, exporter):
+    """The FAT5Config of the model folder `folder`, which `exporter` ("onnx", "ctranslate2") takes through T5's
+    description of it (fat5/integrations_fat5.py); one line for a folder that is not a FAT5 model, or one whose
+    computation the exporter's T5 does not do."""
+    from fat5 import FAT5Config
+    from fat5.integrations_fat5 import t5_computation_problem
+
+    folder = Path(folder)
+    if not (folder / "config.json").exists():
+        raise CommandError(f"{folder} has no config.json: not a model folder")
+    # The exporters read the tokenizer and generation files too: a bad one is one line here, not their traceback.
+    check_model_folder(folder)
+    fields = read_json_object(folder / "config.json")
+    if fields.get("model_type") != "fat5":
+        raise CommandError(f"{folder} is a {fields.get('model_type')!r} model, not a FAT5 one")
+    try:
+        config = FAT5Config.from_dict(fields)
+    except ValueError as error:
+        raise CommandError(f"{folder / 'config.json'}: {error_line(error)}") from None
+    problem = t5_computation_problem(config, exporter)
+    if problem is not None:
+        raise CommandError(problem)
+    return config
+
+
 # The files AutoTokenizer needs in a folder to know which tokenizer it holds (a sentencepiece model alone names no
 # class for a FAT5 config).
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")

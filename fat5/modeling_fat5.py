@@ -52,7 +52,7 @@ from .compat_fat5 import (
 from .configuration_fat5 import FAT5Config
 from .loss_fat5 import linear_cross_entropy, seq2seq_lm_loss
 from .peft_fat5 import register_fat5_with_peft
-from .pickling_fat5 import reduce_keeping_code_importable, shallow_copy
+from .pickling_fat5 import PicklesWithItsCode
 from .reference_fat5 import relative_positions, t5_rms_norm
 from .remote_code_fat5 import mark_as_package, save_as_package
 
@@ -470,7 +470,7 @@ def _no_transformers_code_copy(model_class):
             del model_class._auto_class
 
 
-class FAT5PreTrainedModel(PreTrainedModel):
+class FAT5PreTrainedModel(PicklesWithItsCode, PreTrainedModel):
     config_class = FAT5Config
     base_model_prefix = "transformer"
     supports_gradient_checkpointing = True
@@ -524,13 +524,6 @@ class FAT5PreTrainedModel(PreTrainedModel):
         if push_to_hub:
             repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.normpath(save_directory)))
             return self.push_to_hub(repo_id, **hub_kwargs)
-
-    def __reduce_ex__(self, protocol):
-        # A model loaded with trust_remote_code unpickles in a fresh process too (as T5's classes do).
-        return reduce_keeping_code_importable(self, super().__reduce_ex__(protocol))
-
-    def __copy__(self):
-        return shallow_copy(self)
 
     def tie_weights(self, *args, **kwargs):
         """transformers' tying (the LM head when config.tie_word_embeddings), then the stacks' embeddings, which

@@ -43,3 +43,15 @@ def shallow_copy(obj):
     new = object.__new__(type(obj))
     new.__dict__.update(obj.__dict__)
     return new
+
+
+class PicklesWithItsCode:
+    """Mixin, first among a FAT5 model's or config's bases: pickled, the object names its class by the calls that
+    import it (reduce_keeping_code_importable), so one loaded with trust_remote_code unpickles in a fresh process too,
+    as T5's do; `copy.copy` copies it without that reduction."""
+
+    def __reduce_ex__(self, protocol):
+        return reduce_keeping_code_importable(self, super().__reduce_ex__(protocol))
+
+    def __copy__(self):
+        return shallow_copy(self)

@@ -40,7 +40,7 @@ from fat5.files import (
 )
 from fat5.recipes.arguments import SEQ2SEQ_DEFAULTS, FileFormatArguments, ModelArguments
 from fat5.recipes.data import load_dataset_splits, read_table, write_predictions
-from fat5.training.flags import HelpFormatter
+from fat5.training.flags import HelpFormatter, OneLineErrors
 from fat5.training.run_folder import (
     TRAINING_SETTINGS,
     RunFolder,
@@ -77,10 +77,8 @@ class RecipeTrainer(RunFolderTrainerMixin, Trainer):
     """Trainer whose checkpoints are atomic and belong to this run (fat5/training/run_folder.py)."""
 
 
-class RecipeParser(HfArgumentParser):
-    def error(self, message):
-        # One `error:` line from fat5.cli.run rather than argparse's usage dump.
-        raise CommandError(f"{message} (see --help)")
+class RecipeParser(OneLineErrors, HfArgumentParser):
+    pass
 
 
 def recipe_dataclasses(recipe):

@@ -59,22 +59,20 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
     listed)."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False, "") or "default" in (action.help or ""):
+        # `is`: a default of 0 is shown (0 == False).
+        if action.default is None or action.default is False or action.default in ("", []) \
+                or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
     def _format_action_invocation(self, action):
         names = action.option_strings
-        shown = [name for name in names if name[:2] + name[2:].replace("-", "_") == name
-                 or name[:2] + name[2:].replace("-", "_") not in names]
-        return super()._format_action_invocation(copy.copy(action) if shown == names else
-                                                 _with_option_strings(action, shown))
-
-
-def _with_option_strings(action, names):
-    shown = copy.copy(action)
-    shown.option_strings = names
-    return shown
+        underscored = {name: name[:2] + name[2:].replace("-", "_") for name in names}
+        shown = [name for name in names if underscored[name] == name or underscored[name] not in names]
+        if shown != names:
+            action = copy.copy(action)
+            action.option_strings = shown
+        return super()._format_action_invocation(action)
 
 
 class TrainerField(NamedTuple):
@@ -224,9 +222,16 @@ def _value_arguments(trainer_field):
     return dict(nargs="*")
 
 
-class LightParser(argparse.ArgumentParser):
+class OneLineErrors:
+    """Mixin, first among an argparse parser's bases (this module's and the commands' HfArgumentParser): a bad flag
+    raises CommandError, printed by fat5.cli.run as one `error:` line, instead of argparse's usage dump."""
+
     def error(self, message):
         raise CommandError(f"{message} (see --help)")
+
+
+class LightParser(OneLineErrors, argparse.ArgumentParser):
+    pass
 
 
 class FullHelp(argparse.Action):

@@ -23,7 +23,7 @@ from fat5.files import (
 
 from .data import DenoisingDataset, Documents, add_missing_tokens, sentencepiece_pieces, train_sentencepiece
 from .denoising import MIXTURES, DenoisingMixture, sentinel_token_ids
-from .flags import HelpFormatter, RunFolderArguments
+from .flags import HelpFormatter, OneLineErrors, RunFolderArguments
 from .models import (
     PRESETS,
     check_checkpoint_shapes,
@@ -54,10 +54,8 @@ class TrainerOptions(TrainingArguments, RunFolderArguments):
                 + ")"})
 
 
-class Parser(HfArgumentParser):
-    def error(self, message):
-        # One line, no usage dump (fat5/cli.py's convention).
-        raise CommandError(f"{message} (see --help)")
+class Parser(OneLineErrors, HfArgumentParser):
+    pass
 
 
 def full_parser(description=None):

@@ -26,9 +26,12 @@ Shared contract (all backends; `ATTENTION_FUNCTIONS` take the segment ids as one
     Rows that see no key at all return zeros.
 """
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
+import io
+import logging
 import math
 import os
 
@@ -36,6 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from .reference_fat5 import dense_bias, eager_attention, relative_positions, visibility_mask
+
+logger = logging.getLogger(__name__)
 
 
 def alibi_slopes(num_heads):
@@ -112,6 +117,19 @@ class PackedSegments:
         }
 
 
+def forward_cached(forward_cache, build, tensor, *options):
+    """build(tensor, *options), computed once per stack forward: `forward_cache` (`PositionInputs.forward_cache`, a
+    list) keeps it for the other layers, keyed by the tensor's identity. What is cached is what all the layers share
+    (the kernel's bias lookup table from a shared T5 table, its additive key mask); a table recomputed under
+    gradient checkpointing is another tensor, and gets its own lookup table, with its own gradient path."""
+    for entry_build, entry_tensor, entry_options, value in forward_cache:
+        if entry_build is build and entry_tensor is tensor and entry_options == options:
+            return value
+    value = build(tensor, *options)
+    forward_cache.append((build, tensor, options, value))
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class PositionInputs:
     """The position parameters of one stack forward, built once and shared by its layers (never an (L, L) T5 bias:
@@ -125,6 +143,8 @@ class PositionInputs:
     cross_rotary: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE of the encoder keys (rope_cross_attention)
     segments: PackedSegments | None = None  # packed rows: self-attention's segments
     cross_segments: PackedSegments | None = None  # packed rows: cross-attention's (decoder queries, encoder keys)
+    # What the backends derive from the shared inputs, built on first use and shared by the layers (forward_cached).
+    forward_cache: list = dataclasses.field(default_factory=list, compare=False)
 
 
 def sdpa_attention(query, key, value, *, bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
@@ -159,25 +179,40 @@ def _segment_ids(segments):
     return {"query_segment_ids": segments.query_segment_ids, "key_segment_ids": segments.key_segment_ids}
 
 
-def eager_attention_forward(query, key, value, *, segments=None, output_attentions=False, **kwargs):
+def eager_attention_forward(query, key, value, *, segments=None, output_attentions=False, forward_cache=None,
+                            **kwargs):
     output, weights = eager_attention(query, key, value, **_segment_ids(segments), return_weights=True, **kwargs)
     return output, weights if output_attentions else None
 
 
-def sdpa_attention_forward(query, key, value, *, segments=None, output_attentions=False, **kwargs):
+def sdpa_attention_forward(query, key, value, *, segments=None, output_attentions=False, forward_cache=None,
+                           **kwargs):
     return sdpa_attention(query, key, value, **_segment_ids(segments), **kwargs), None
 
 
 def triton_attention_forward(query, key, value, *, segments=None, output_attentions=False, position_bias=None,
-                             **kwargs):
+                             forward_cache=None, **kwargs):
     """The Triton kernel, attention dropout included; `select_attention_backend` never picks it with a dense bias.
-    The dropout seed is drawn from torch's generator for the device on each call (see `draw_dropout_seed`)."""
+    The dropout seed is drawn from torch's generator for the device on each call (see `draw_dropout_seed`).
+    `forward_cache` (the stack's `PositionInputs.forward_cache`) holds the bias lookup table and the additive key
+    mask that the layers of one forward share."""
     # Imported lazily: the kernel needs triton, which CPU-only installs lack.
-    from .kernels.flash_attention_t5 import flash_attention_t5, flash_attention_t5_varlen
+    from .kernels.flash_attention_t5 import (
+        additive_key_mask,
+        flash_attention_t5,
+        flash_attention_t5_varlen,
+        relative_bias_lut,
+    )
 
+    forward_cache = [] if forward_cache is None else forward_cache
+    if kwargs["bias_table"] is not None:
+        kwargs["bias_lut"] = forward_cached(forward_cache, relative_bias_lut, kwargs.pop("bias_table"),
+                                            kwargs["bidirectional"], kwargs["num_buckets"], kwargs["max_distance"])
     if isinstance(kwargs["q_offset"], torch.Tensor):
         kwargs["q_offset"] = int(kwargs["q_offset"])  # a static cache's counter; the kernel takes a scalar
     if segments is None:
+        if kwargs["key_padding_mask"] is not None:
+            kwargs["key_mask"] = forward_cached(forward_cache, additive_key_mask, kwargs.pop("key_padding_mask"))
         return flash_attention_t5(query, key, value, **kwargs), None
     # Packed rows: drop padding, run each segment as one varlen sequence, put the rows back (padding rows = 0).
     if kwargs.pop("key_padding_mask") is not None or kwargs.pop("q_offset") != 0:
@@ -195,8 +230,164 @@ def triton_attention_forward(query, key, value, *, segments=None, output_attenti
     return padded.view(batch, query_length, heads, head_dim).transpose(1, 2), None
 
 
+# ---- The kernel where it cannot fail a run: "auto" falls back to SDPA, "triton" names the chip ---------------------
+
+# Device types whose kernels are checked and guarded: the GPUs (Triton's CPU interpreter is for tests, which add "cpu").
+GUARDED_DEVICES = {"cuda"}
+# (device, variant) -> why the kernel does not serve it: "auto" runs SDPA there for the rest of the process.
+KERNEL_FALLBACKS = {}
+# (device, variant) whose first use ran the kernel and matched SDPA.
+KERNEL_CHECKED = set()
+# |kernel - SDPA| <= tolerance * max |SDPA| on the first use's small input, output and every gradient. Far above
+# rounding (half precision, TF32 for float32), far below what a miscompiled or misconfigured kernel gives.
+CHECK_TOLERANCE = {torch.float32: 2e-2, torch.float16: 2e-2, torch.bfloat16: 6e-2}
+
+
+class KernelError(RuntimeError):
+    """The kernel cannot run (or gives wrong values) on this chip: what attention_backend='triton' raises."""
+
+
+def chip_name(device):
+    if device.type != "cuda":
+        return f"{device.type} (Triton's interpreter)"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+
+
+def _kernel_failure(error):
+    """The cause in one line if `error` is the kernel failing here (a Triton error: out of resources, compilation,
+    ptxas, launch; or a dtype the chip lacks), else None: a mistake in the inputs is raised as it is."""
+    names = [cls.__name__ for cls in type(error).__mro__]
+    from_triton = any(cls.__module__.split(".")[0] == "triton" for cls in type(error).__mro__)
+    if not (from_triton or "UnsupportedChip" in names or str(error).startswith("Triton Error")):
+        return None
+    # A compilation error's message starts with the source excerpt; what went wrong is its last line.
+    text = (getattr(error, "error_message", None) or "") if "CompilationError" in names else str(error)
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    line = (lines[-1] if "CompilationError" in names else lines[0]) if lines else ""
+    return f"{type(error).__name__}: {line[:240]}" if line else type(error).__name__
+
+
+def kernel_variant(query, key, *, segments=None, **kwargs):
+    """What decides which kernels run and how they compile: (device, dtype, head dim, bias, causal, key mask,
+    packed, dropout, backward)."""
+    bias = "t5" if kwargs.get("bias_table") is not None else "alibi" if kwargs.get("alibi_slopes") is not None \
+        else "none"
+    backward = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or bias == "t5"
+                                            and kwargs["bias_table"].requires_grad)
+    return (query.device, query.dtype, query.shape[-1], bias, bool(kwargs.get("causal")),
+            kwargs.get("key_padding_mask") is not None, segments is not None, kwargs.get("dropout_p", 0.0) > 0,
+            backward)
+
+
+def _describe(variant):
+    _, dtype, head_dim, bias, causal, _, packed, dropout, backward = variant
+    words = [str(dtype).removeprefix("torch."), f"head dim {head_dim}", {"t5": "T5 bias", "alibi": "ALiBi"}.get(
+        bias, "no bias"), "causal" if causal else "", "packed" if packed else "", "dropout" if dropout else "",
+        "forward and backward" if backward else "forward"]
+    return ", ".join(word for word in words if word)
+
+
+def _check_inputs(query, key, *, segments=None, forward_cache=None, **kwargs):
+    """A small input of the same variant as this call on its device, drawn from a generator of its own (the user's
+    random streams stay where they were): on CUDA long enough for T5's far tiles, short in the interpreter."""
+    device, dtype = query.device, query.dtype
+    heads, head_dim = query.shape[1], query.shape[-1]
+    longest = 320 if device.type == "cuda" else 40
+    query_length, key_length = min(query.shape[-2], longest), min(key.shape[-2], longest)
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def states(length):
+        return (torch.randn(2, heads, length, head_dim, device=device, generator=generator)
+                * head_dim**-0.25).to(dtype)
+
+    options = dict(kwargs, q_offset=0)
+    if kwargs["causal"] and query.shape[-2] < key.shape[-2]:
+        options["q_offset"] = key_length - query_length  # a decoding step: the queries are the last positions
+    if kwargs.get("bias_table") is not None:
+        options["bias_table"] = kwargs["bias_table"].detach().clone()
+    if kwargs.get("key_padding_mask") is not None:
+        options["key_padding_mask"] = torch.ones(2, key_length, dtype=torch.bool, device=device)
+        options["key_padding_mask"][1, key_length // 2:] = False
+    if segments is not None:
+        def ids(length):  # two examples in each row, padding at the end of the second row
+            row = torch.arange(length, device=device) * 2 // length + 1
+            return torch.stack([row, row.masked_fill(torch.arange(length, device=device) >= length - 3, 0)])
+
+        options["segments"] = PackedSegments(ids(query_length), ids(key_length))
+    gradient = torch.randn(2, heads, query_length, head_dim, device=device, generator=generator)
+    return (states(query_length), states(key_length), states(key_length)), gradient, options
+
+
+def _check_against_sdpa(query, key, backward, kwargs):
+    """None when the kernel gives SDPA's output (and gradients, for a variant with a backward) on a small input of
+    the variant, else what differs. With dropout, the kernel without dropout is compared, and the kernel with it
+    only run (with a fixed seed: its mask is its own)."""
+    states, gradient, options = _check_inputs(query, key, **kwargs)
+    leaves = [*states] + ([options.pop("bias_table")] if options.get("bias_table") is not None else [])
+
+    def run(function, float32=False, **overrides):
+        inputs = [(leaf.float() if float32 else leaf).detach().requires_grad_(backward) for leaf in leaves]
+        table = {"bias_table": inputs[3]} if len(inputs) > 3 else {}
+        with torch.enable_grad() if backward else contextlib.nullcontext():
+            output, _ = function(*inputs[:3], **{**options, **table, **overrides})
+            if not backward:
+                return [output]
+            return [output, *torch.autograd.grad(output, inputs, gradient.to(output.dtype))]
+
+    ours = run(triton_attention_forward, dropout_p=0.0)
+    expected = run(sdpa_attention_forward, float32=True, dropout_p=0.0)
+    for name, actual, reference in zip(("output", "dq", "dk", "dv", "d bias table"), ours, expected):
+        error = (actual.float() - reference).abs().max().item()
+        scale = reference.abs().max().item()
+        if not error <= CHECK_TOLERANCE[query.dtype] * scale:  # NaN fails too
+            return f"its {name} differs from SDPA's by {error:.3g} (max |SDPA| {scale:.3g}) on a small input"
+    if options["dropout_p"]:
+        run(triton_attention_forward, dropout_seed=torch.zeros(2, dtype=torch.int64, device=query.device))
+    return None
+
+
+def guarded_triton_attention_forward(query, key, value, *, fallback=True, **kwargs):
+    """`triton_attention_forward` where it cannot fail a run. The first use of each (device, variant) in the
+    process runs the kernel on a small input of that variant against SDPA (forward, and backward when this call
+    will need it); a Triton failure (out of resources, compilation, ptxas, launch, a dtype the chip lacks), there
+    or in a later forward, or a disagreement sends that variant to SDPA with one warning naming the chip and the
+    cause (`fallback`: the "auto" backend), or raises KernelError naming them ("triton"). Nothing is checked while
+    torch.compile traces or a CUDA graph captures: an eager first step checks."""
+    if query.device.type not in GUARDED_DEVICES:
+        return triton_attention_forward(query, key, value, **kwargs)
+    variant = kernel_variant(query, key, **kwargs)
+    if torch.compiler.is_compiling() or (query.is_cuda and torch.cuda.is_current_stream_capturing()):
+        function = sdpa_attention_forward if variant in KERNEL_FALLBACKS else triton_attention_forward
+        return function(query, key, value, **kwargs)
+    if variant not in KERNEL_FALLBACKS:
+        error = None
+        try:
+            if variant in KERNEL_CHECKED:
+                return triton_attention_forward(query, key, value, **kwargs)
+            with contextlib.redirect_stdout(io.StringIO()):  # triton prints a failing build's whole PTX
+                cause = _check_against_sdpa(query, key, variant[-1], kwargs)
+            if cause is None:
+                KERNEL_CHECKED.add(variant)
+                return triton_attention_forward(query, key, value, **kwargs)
+        except Exception as failure:  # noqa: BLE001 (only the kernel's failures are caught: _kernel_failure)
+            cause = _kernel_failure(failure)
+            if cause is None:
+                raise
+            error = failure
+        chip = chip_name(query.device)
+        if not fallback:
+            raise KernelError(f"FAT5's Triton attention kernel cannot run {_describe(variant)} on {chip}: {cause} "
+                              "(attention_backend='auto' runs SDPA there instead)") from error
+        KERNEL_FALLBACKS[variant] = cause
+        logger.warning("FAT5's Triton attention kernel cannot run %s on %s (%s): that attention runs on SDPA",
+                       _describe(variant), chip, cause)
+    return sdpa_attention_forward(query, key, value, **kwargs)
+
+
 # Every function takes q, k, v and the keyword arguments of the contract above (plus `segments`, the packed
-# rows' PackedSegments, and `output_attentions`) and returns (output, weights).
+# rows' PackedSegments, `forward_cache`, the stack forward's list of `forward_cached` inputs, and `output_attentions`) and returns
+# (output, weights).
 ATTENTION_FUNCTIONS = {"eager": eager_attention_forward, "sdpa": sdpa_attention_forward,
                        "triton": triton_attention_forward}
 
@@ -216,29 +407,38 @@ def triton_head_dims():
     return HEAD_DIMS
 
 
-def select_attention_backend(config, query, needs_dense_bias, dropout_p):
-    """Name of the backend for this call: the configured one, or for "auto" the fastest that is exact here.
+def needs_dense_bias(config):
+    """Whether the config's position encoding is a dense (L, L) bias the kernel cannot compute: FIRE's (an MLP of
+    every query-key pair) and asymmetric ALiBi's (half the heads look each way)."""
+    return config.position_encoding_type == "fire" or (
+        config.position_encoding_type == "alibi" and getattr(config, "alibi_mode", None) == "asymmetric")
+
+
+def select_attention_backend(config, device, head_dim, dense_bias=False):
+    """Name of the backend for attention on `device` with `head_dim`: the configured one, or for "auto" the fastest
+    that is exact here.
 
     "auto" runs the kernel on CUDA, with or without attention dropout (the kernel draws its mask in-kernel), and
-    SDPA only where the kernel cannot run: a dense bias (FIRE's, computed by an MLP per pair, or asymmetric
-    ALiBi's), a head dim outside its tiles, or a tensor that is not on CUDA; output_attentions runs eager
-    (`attention_function`).
-    `dropout_p` is part of the call's description but no longer decides the backend."""
+    SDPA only where the kernel cannot run: a dense bias (`dense_bias`: FIRE's, computed by an MLP per pair, or
+    asymmetric ALiBi's), a head dim outside its tiles, or a device that is not CUDA; output_attentions runs eager
+    (`attention_function`). Where the kernel fails on the chip itself, `guarded_triton_attention_forward` falls back
+    to SDPA."""
     backend = config.attention_backend
-    if backend == "triton" and needs_dense_bias:
+    device = torch.device(device)
+    if backend == "triton" and dense_bias:
         raise ValueError(
             "attention_backend='triton' has no dense bias (FIRE's is an MLP of every query-key pair, asymmetric "
             "ALiBi's masks half the heads each way): use attention_backend='sdpa' or 'auto'"
         )
-    if backend == "triton" and query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
-            f"attention_backend='triton' runs the Triton kernel, which needs CUDA tensors; got a {query.device.type} "
+            f"attention_backend='triton' runs the Triton kernel, which needs CUDA tensors; got a {device.type} "
             "tensor. Use attention_backend='auto' (the kernel on CUDA, SDPA elsewhere) or 'sdpa'")
     if backend != "auto":
         return backend
     if getattr(config, "_attn_implementation", None) == "eager":
         return "eager"
-    if query.is_cuda and not needs_dense_bias and query.shape[-1] in triton_head_dims():
+    if device.type == "cuda" and not dense_bias and head_dim in triton_head_dims():
         return "triton"
     return "sdpa"
 
@@ -252,9 +452,12 @@ def _backend_with_weights(config):
     return "eager"
 
 
-def attention_function(config, query, *, needs_dense_bias, dropout_p, output_attentions=False):
-    """The function of `ATTENTION_FUNCTIONS` that computes this call's attention."""
-    backend = select_attention_backend(config, query, needs_dense_bias, dropout_p)
+def attention_function(config, query, *, needs_dense_bias, output_attentions=False):
+    """The function of `ATTENTION_FUNCTIONS` that computes this call's attention (the kernel guarded by
+    `guarded_triton_attention_forward`)."""
+    backend = select_attention_backend(config, query.device, query.shape[-1], needs_dense_bias)
     if output_attentions:
         backend = _backend_with_weights(config)  # only the eager reference materialises the probabilities
+    if backend == "triton":
+        return functools.partial(guarded_triton_attention_forward, fallback=config.attention_backend == "auto")
     return ATTENTION_FUNCTIONS[backend]

@@ -268,14 +268,14 @@ class FAT5Attention(nn.Module):
 
         dropout_p = self.config.attention_dropout_rate if self.training else 0.0
         attention_interface = attention_function(self.config, query, needs_dense_bias=dense_bias is not None,
-                                                 dropout_p=dropout_p, output_attentions=output_attentions)
+                                                 output_attentions=output_attentions)
         attn_output, attn_weights = attention_interface(
             query, key, value, bias_table=bias_table, bidirectional=not self.is_decoder,
             num_buckets=self.config.relative_attention_num_buckets,
             max_distance=self.config.relative_attention_max_distance, alibi_slopes=alibi, position_bias=dense_bias,
             key_padding_mask=key_padding_mask, causal=self.is_decoder and not self.is_cross_attention,
             q_offset=q_offset, scale=self.config.attention_scale, dropout_p=dropout_p, segments=segments,
-            output_attentions=output_attentions)
+            forward_cache=position.forward_cache, output_attentions=output_attentions)
         batch, _, length, _ = attn_output.shape
         attn_output = self.o(attn_output.transpose(1, 2).reshape(batch, length, self.inner_dim))
         return attn_output, attn_weights

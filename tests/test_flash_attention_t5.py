@@ -15,7 +15,12 @@ import torch
 from conftest import KERNEL_DEVICE
 from fat5.attention_fat5 import alibi_slopes
 from fat5.kernels import flash_attention_t5 as kernel_module
-from fat5.kernels.flash_attention_t5 import flash_attention_t5, flash_attention_t5_varlen, relative_bias_lut
+from fat5.kernels.flash_attention_t5 import (
+    additive_key_mask,
+    flash_attention_t5,
+    flash_attention_t5_varlen,
+    relative_bias_lut,
+)
 from fat5.reference_fat5 import dense_bias, relative_position_bucket, relative_positions
 from fat5.reference_fat5 import eager_attention as flash_attention_t5_reference
 from references import (
@@ -107,6 +112,27 @@ def test_bias_lut_matches_torch_bucketing_at_every_distance():
             buckets = relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
             assert torch.equal(lut[:, clamped], table[buckets].t())
 
+
+
+def test_layers_sharing_one_lookup_table_and_key_mask_get_each_layers_result():
+    """What a stack does: the lookup table and the additive key mask built once, given to every layer. Outputs are
+    those of each layer building its own, and the table's gradient is the sum of the layers' (through one gather)."""
+    q, k, v, table = inputs(2, 2, 37, 37, 32, seed=5)
+    mask = key_mask(2, 37)
+    mask[1, 29:] = False
+    options = dict(bidirectional=True, num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(KERNEL_DEVICE)
+    own, shared = table.clone().requires_grad_(), table.clone().requires_grad_()
+    separate = [flash_attention_t5(q * scale, k, v, bias_table=own, key_padding_mask=mask, **options)
+                for scale in (1.0, 0.5)]
+    lut = relative_bias_lut(shared, **options)
+    additive = additive_key_mask(mask)
+    together = [flash_attention_t5(q * scale, k, v, bias_lut=lut, key_mask=additive) for scale in (1.0, 0.5)]
+    for first, second in zip(separate, together):
+        assert torch.equal(first, second)
+    sum((out * grad).sum() for out in separate).backward()
+    sum((out * grad).sum() for out in together).backward()
+    assert torch.allclose(shared.grad, own.grad, rtol=1e-5, atol=1e-6 * own.grad.abs().max().item())
 
 
 @pytest.mark.parametrize("query_length, key_length, q_offset", [
@@ -301,9 +327,15 @@ def test_non_contiguous_inputs_as_the_model_passes_them():
     (lambda q, k, v, t: flash_attention_t5(q, k, v, key_padding_mask=key_mask(2, 3)),
      "key_padding_mask must"),
     (lambda q, k, v, t: flash_attention_t5(q, k.double(), v), "must share one of"),
+    (lambda q, k, v, t: flash_attention_t5(q, k, v, bias_table=t, num_buckets=NUM_BUCKETS,
+                                           bias_lut=relative_bias_lut(t, True, NUM_BUCKETS, 4)), "pass one of"),
+    (lambda q, k, v, t: flash_attention_t5(q, k, v, bias_lut=torch.zeros(2, 8, device=q.device)), "bias_lut must"),
+    (lambda q, k, v, t: flash_attention_t5(q, k, v, key_padding_mask=key_mask(2, 8),
+                                           key_mask=additive_key_mask(key_mask(2, 8))), "not both"),
+    (lambda q, k, v, t: flash_attention_t5(q, k, v, key_mask=additive_key_mask(key_mask(2, 5))), "key_mask must"),
 ])
 def test_bad_inputs_raise_clear_errors(make, message):
-    """Head dim 48, mismatched heads, wrong table or mask shapes, mixed dtypes."""
+    """Head dim 48, mismatched heads, wrong table or mask shapes, mixed dtypes, a table given twice."""
     q, k, v, table = inputs(2, 2, 8, 8, 32)
     with pytest.raises(ValueError, match=message):
         make(q, k, v, table)

@@ -217,32 +217,30 @@ def test_triton_backend_still_refuses_a_dense_bias(position):
         model(**padded_batch(101))
 
 
-def test_auto_backend_runs_the_kernel_in_training_with_dropout():
-    """On CUDA, "auto" picks the kernel with or without dropout; SDPA only for a dense bias (FIRE) or a head dim
-    the kernel has no tiles for."""
-    from types import SimpleNamespace
-
-    from fat5.attention_fat5 import select_attention_backend, triton_installed
+def test_auto_backend_runs_the_kernel_on_cuda():
+    """On CUDA, "auto" picks the kernel (with or without dropout: dropout does not decide); SDPA only for a dense
+    bias (FIRE, asymmetric ALiBi) or a head dim the kernel has no tiles for. It decides on the device, the head dim
+    and the bias kind alone: no tensor is needed to ask it."""
+    from fat5.attention_fat5 import needs_dense_bias, select_attention_backend, triton_installed
 
     if not triton_installed():
         pytest.skip("needs triton")
-
-    def cuda_query(head_dim):  # select_attention_backend reads only these of a CUDA query under "auto"
-        return SimpleNamespace(is_cuda=True, shape=(2, 4, 16, head_dim), device=torch.device("cuda"))
-
     config = tiny_config(dropout_rate=0.1)
-    assert select_attention_backend(config, cuda_query(64), False, 0.1) == "triton"
-    assert select_attention_backend(config, cuda_query(64), False, 0.0) == "triton"
-    assert select_attention_backend(config, cuda_query(64), True, 0.1) == "sdpa"
-    assert select_attention_backend(config, cuda_query(48), False, 0.1) == "sdpa"
+    assert select_attention_backend(config, torch.device("cuda"), 64) == "triton"
+    assert select_attention_backend(config, "cuda:0", 128, dense_bias=False) == "triton"
+    assert select_attention_backend(config, torch.device("cuda"), 64, dense_bias=True) == "sdpa"
+    assert select_attention_backend(config, torch.device("cuda"), 48) == "sdpa"
+    assert not needs_dense_bias(config)
+    assert needs_dense_bias(tiny_config(position_encoding_type="fire"))
+    assert needs_dense_bias(tiny_config(**POSITION_VARIANTS["alibi-asymmetric"]))
+    assert not needs_dense_bias(tiny_config(position_encoding_type="alibi"))
 
 
 def test_auto_backend_is_sdpa_on_cpu():
     from fat5.attention_fat5 import select_attention_backend
 
-    query = torch.zeros(1, 4, 3, 8)
-    assert select_attention_backend(tiny_config(), query, False, 0.0) == "sdpa"
-    assert select_attention_backend(tiny_config(attention_backend="eager"), query, False, 0.0) == "eager"
+    assert select_attention_backend(tiny_config(), torch.device("cpu"), 8) == "sdpa"
+    assert select_attention_backend(tiny_config(attention_backend="eager"), "cpu", 8) == "eager"
 
 
 def test_peft_lora_on_t5_module_names():
@@ -299,3 +297,52 @@ def test_triton_backend_matches_eager_inside_the_model(position, kernel_device):
     expected = model.generate(**inputs)
     model.config.attention_backend = "triton"
     assert torch.equal(model.generate(**inputs), expected)
+
+
+@pytest.mark.parametrize("per_layer", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_kernel_inputs_are_built_once_per_stack_forward(monkeypatch, per_layer, kernel_device):
+    """The kernel's bias lookup table (gathered from the bucket table) and additive key mask are built once per
+    stack forward and shared by its layers; umT5-style per-layer tables (relative_bias_per_layer) get one each. The
+    shared table's gradient, the sum over the layers, is eager's."""
+    from collections import Counter
+
+    from fat5.kernels import flash_attention_t5 as kernel_module
+
+    built = Counter()
+    for name in ("relative_bias_lut", "additive_key_mask"):
+        real = getattr(kernel_module, name)
+        monkeypatch.setattr(kernel_module, name, lambda *args, _real=real, _name=name: built.update([_name])
+                            or _real(*args))
+    model = tiny_model(d_model=64, d_kv=32, num_heads=2, num_layers=3, num_decoder_layers=2,
+                       relative_bias_per_layer=per_layer).to(kernel_device).train()
+    batch = {name: tensor.to(kernel_device) for name, tensor in padded_batch(101, length=21, decoder_length=9).items()}
+    grads = {}
+    for backend in ("eager", "triton"):
+        model.zero_grad()
+        model.config.attention_backend = backend
+        model(**batch).loss.backward()
+        grads[backend] = {name: p.grad.clone() for name, p in model.named_parameters() if "relative" in name}
+    tables = 3 + 2 if per_layer else 2  # one per stack, or one per layer
+    # Key masks: the encoder's self-attention, the decoder's self- and cross-attention.
+    assert built == {"relative_bias_lut": tables, "additive_key_mask": 3}
+    assert len(grads["eager"]) == tables
+    for name, grad in grads["eager"].items():
+        assert (grads["triton"][name] - grad).abs().max() <= 1e-4 * grad.abs().max(), name
+
+
+@pytest.mark.parametrize("use_reentrant", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_shared_kernel_inputs_under_gradient_checkpointing(use_reentrant, kernel_device):
+    """Recomputed blocks get the lookup table of the table they recompute (a shared one computed under no_grad
+    would lose the table's gradient): every gradient equals the eager model's without checkpointing."""
+    model = tiny_model(d_model=64, d_kv=32, num_heads=2, num_layers=2, num_decoder_layers=2,
+                       attention_backend="eager").to(kernel_device).train()
+    batch = {name: tensor.to(kernel_device) for name, tensor in padded_batch(101, length=21, decoder_length=9).items()}
+    model(**batch).loss.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.config.attention_backend = "triton"
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model(**batch).loss.backward()
+    for name, grad in expected.items():
+        actual = model.get_parameter(name).grad
+        assert actual is not None and (actual - grad).abs().max() <= 1e-4 * grad.abs().max(), name

@@ -60,26 +60,26 @@ PHILOX_ROUNDS = tl.constexpr(7)
 DROPOUT_BITS = 16
 
 
-def _blocks(head_dim, kernel, device, dropout=False):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of `kernel` ("forward", "dkdv" or "dq"). Small tiles in the CPU
-    interpreter, Hopper-sized on GPU, chosen so that the sm_90a build of every kernel has no spills and no
-    serialised wgmma (benchmarks/sm90_profile.py)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return 16, 16, 1, 1
+def chip_tiles(capability, kernel, head_dim, dropout=False):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of `kernel` ("forward", "dkdv" or "dq") on a GPU of compute
+    capability `capability` (major * 10 + minor)."""
     if kernel == "forward":
         return (128, 64, 8, 3) if head_dim <= 64 else (128, 32, 8, 2)
     if dropout:
-        # The mask's Philox rounds need registers that the backward's default tiles, at 247-255, do not have
-        # (they spilled 16-132 bytes): dK/dV at d = 64 spreads its accumulators over 8 warps (128 x 64), at
-        # d = 128 over 64 x 32 tiles on 4 warps; dQ takes the 128 x 32 tiles of d = 128 at every head dim.
         if kernel == "dkdv":
             return (128, 64, 8, 2) if head_dim <= 64 else (64, 32, 4, 2)
         return 128, 32, 8, 2
     if kernel == "dkdv":
         return (64, 64, 4, 2) if head_dim <= 64 else (64, 32, 8, 2)
-    # dQ at d = 128: two warpgroups of 64 query rows share each key tile. 64 rows on 8 warps computed every exp2
-    # twice and had ptxas serialise the wgmma; 64 rows on 4 warps do neither but read each key tile twice as often.
     return (64, 64, 4, 2) if head_dim <= 64 else (128, 32, 8, 2)
+
+
+def _blocks(head_dim, kernel, device, dropout=False):
+    """The tiles of `kernel` on `device`: small ones in the CPU interpreter, the chip's (chip_tiles) on a GPU."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return 16, 16, 1, 1
+    major, minor = torch.cuda.get_device_capability(device)
+    return chip_tiles(major * 10 + minor, kernel, head_dim, dropout)
 
 
 # Key tiles (forward, dQ) or query tiles (dK/dV) by where they lie relative to the +-max_distance band. Each kind
@@ -813,10 +813,24 @@ _flash_attention_forward.register_autograd(_backward, setup_context=_setup_conte
 
 def relative_bias_lut(bias_table, bidirectional, num_buckets, max_distance):
     """(H, 2 * max_distance + 1) bias per clamped relative position -max_distance..max_distance, gathered
-    (differentiably) from the (num_buckets, H) T5 weight with the exact torch bucketing."""
+    (differentiably) from the (num_buckets, H) T5 weight with the exact torch bucketing. The layers of a stack that
+    share one table can share its table too (`bias_lut=` of `flash_attention_t5`): their gradients add up in it."""
     relative = torch.arange(-max_distance, max_distance + 1, device=bias_table.device)
     buckets = relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
     return bias_table[buckets].t().float().contiguous()
+
+
+def additive_key_mask(key_padding_mask):
+    """The kernel's form of a (B, Lk) key mask (True = attend): (B, Lk + KEY_MASK_PAD) float32, 0 for a kept key,
+    -inf for padding and for the KEY_MASK_PAD columns past the end, so key tiles read it without a bounds check (one
+    add per score, no compare). Layers that share a key mask can share this (`key_mask=` of `flash_attention_t5`)."""
+    batch, key_length = key_padding_mask.shape
+    mask = torch.full((batch, key_length + KEY_MASK_PAD), float("-inf"), device=key_padding_mask.device)
+    return mask.masked_fill_(torch.nn.functional.pad(key_padding_mask.bool(), (0, KEY_MASK_PAD)), 0.0)
+
+
+class UnsupportedChip(ValueError):
+    """The kernel cannot run these inputs on this GPU (bf16 on a chip without it)."""
 
 
 def _check(query, key, value, head_dim_axis=-1):
@@ -830,6 +844,10 @@ def _check(query, key, value, head_dim_axis=-1):
                                                                             torch.bfloat16):
         raise ValueError(f"query, key and value must share one of float32/float16/bfloat16, got {query.dtype}, "
                          f"{key.dtype}, {value.dtype}")
+    if query.dtype == torch.bfloat16 and query.is_cuda and torch.cuda.get_device_capability(query.device) < (8, 0):
+        major, minor = torch.cuda.get_device_capability(query.device)
+        raise UnsupportedChip(f"{torch.cuda.get_device_name(query.device)} (sm_{major}{minor}) has no bfloat16: the "
+                              "kernel takes float16 or float32 there")
 
 
 def draw_dropout_seed(device):
@@ -861,15 +879,18 @@ def _last_dim_contiguous(*tensors):
     return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
 
 
-def _position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_slopes, heads):
-    if bias_table is not None and alibi_slopes is not None:
-        raise ValueError("pass either bias_table (T5) or alibi_slopes, not both")
-    bias_lut = None
+def _position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_slopes, heads, bias_lut):
+    if sum(x is not None for x in (bias_table, bias_lut, alibi_slopes)) > 1:
+        raise ValueError("pass one of bias_table (T5), bias_lut (T5's, from relative_bias_lut) and alibi_slopes")
     if bias_table is not None:
         if tuple(bias_table.shape) != (num_buckets, heads):
             raise ValueError(f"bias_table must have shape (num_buckets, heads) = {(num_buckets, heads)}, "
                              f"got {tuple(bias_table.shape)}")
         bias_lut = relative_bias_lut(bias_table, bidirectional, num_buckets, max_distance)
+    elif bias_lut is not None and (bias_lut.dim() != 2 or bias_lut.shape[0] != heads or bias_lut.shape[1] % 2 == 0
+                                   or bias_lut.dtype != torch.float32 or bias_lut.stride(-1) != 1):
+        raise ValueError(f"bias_lut must be relative_bias_lut's (heads, 2 * max_distance + 1) float32 table for "
+                         f"{heads} heads, got {tuple(bias_lut.shape)} {bias_lut.dtype}")
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.float().contiguous()
     return bias_lut, alibi_slopes
@@ -877,30 +898,35 @@ def _position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_s
 
 def flash_attention_t5(query, key, value, *, bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
                        alibi_slopes=None, key_padding_mask=None, causal=False, q_offset=0, scale=1.0, dropout_p=0.0,
-                       dropout_seed=None):
+                       dropout_seed=None, bias_lut=None, key_mask=None):
     """Attention over (B, H, L, D) tensors with the T5 bias (or ALiBi, or none) computed in the kernel.
 
     Same contract as `attention_fat5.eager_attention` (see there), without a dense bias. `dropout_p` drops
     attention probabilities in the kernel (scaled by 1 / (1 - p)); the mask is a function of `dropout_seed`, a
     (2,) int64 tensor on the inputs' device, drawn by `draw_dropout_seed` from torch's generator when None.
-    Differentiable w.r.t. query, key, value and bias_table.
+    `bias_lut` (`relative_bias_lut` of the table) and `key_mask` (`additive_key_mask` of the key mask) take the
+    place of `bias_table` and `key_padding_mask` for callers that build them once for several layers.
+    Differentiable w.r.t. query, key, value and bias_table (or bias_lut).
     """
     _check(query, key, value)
     batch, heads, query_length, _ = query.shape
     if key.shape[:2] != (batch, heads) or value.shape != key.shape:
         raise ValueError(f"key and value must be (B, H, Lk, D) with B, H = {batch}, {heads}; got "
                          f"{tuple(key.shape)} and {tuple(value.shape)}")
-    key_mask = None
     if key_padding_mask is not None:
+        if key_mask is not None:
+            raise ValueError("pass key_padding_mask or key_mask (additive_key_mask's), not both")
         if tuple(key_padding_mask.shape) != (batch, key.shape[2]):
             raise ValueError(f"key_padding_mask must be (B, Lk) = {(batch, key.shape[2])}, "
                              f"got {tuple(key_padding_mask.shape)}")
-        # Additive in the kernel: 0 for a kept key, -inf for padding and for KEY_MASK_PAD columns past the end,
-        # so key tiles read it without a bounds check (one add per score, no compare).
-        key_mask = torch.full((batch, key.shape[2] + KEY_MASK_PAD), float("-inf"), device=key.device)
-        key_mask[:, :key.shape[2]].masked_fill_(key_padding_mask.bool(), 0.0)
+        key_mask = additive_key_mask(key_padding_mask)
+    elif key_mask is not None and (tuple(key_mask.shape) != (batch, key.shape[2] + KEY_MASK_PAD)
+                                   or key_mask.dtype != torch.float32 or key_mask.stride(-1) != 1):
+        raise ValueError(f"key_mask must be additive_key_mask's (B, Lk + {KEY_MASK_PAD}) = "
+                         f"{(batch, key.shape[2] + KEY_MASK_PAD)} float32 mask, got {tuple(key_mask.shape)} "
+                         f"{key_mask.dtype}")
     bias_lut, alibi_slopes = _position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_slopes,
-                                            heads)
+                                            heads, bias_lut)
     dropout_p, dropout_seed = _dropout_inputs(dropout_p, dropout_seed, query.device)
     query, key, value = _last_dim_contiguous(query, key, value)
     out, _ = _flash_attention_forward(query, key, value, bias_lut, alibi_slopes, key_mask, None, None,
@@ -911,7 +937,8 @@ def flash_attention_t5(query, key, value, *, bias_table=None, bidirectional=True
 
 def flash_attention_t5_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
-                              alibi_slopes=None, causal=False, scale=1.0, dropout_p=0.0, dropout_seed=None):
+                              alibi_slopes=None, causal=False, scale=1.0, dropout_p=0.0, dropout_seed=None,
+                              bias_lut=None):
     """Packed sequences: query (total_q, H, D), key/value (total_k, H, D), cu_seqlens int32 (N + 1,).
     Sequence n is rows cu_seqlens[n]:cu_seqlens[n + 1]; it sees only itself, positions restarting at 0.
     Dropout as in `flash_attention_t5`, sequence n counted as batch entry n with rows and columns from 0."""
@@ -923,7 +950,7 @@ def flash_attention_t5_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max
     if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D with one entry per sequence plus one")
     bias_lut, alibi_slopes = _position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_slopes,
-                                            heads)
+                                            heads, bias_lut)
     dropout_p, dropout_seed = _dropout_inputs(dropout_p, dropout_seed, query.device)
     query, key, value = _last_dim_contiguous(query, key, value)
     out, _ = _flash_attention_forward(query, key, value, bias_lut, alibi_slopes, None,
@@ -933,4 +960,5 @@ def flash_attention_t5_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max
     return out
 
 
-__all__ = ["draw_dropout_seed", "flash_attention_t5", "flash_attention_t5_varlen", "relative_bias_lut"]
+__all__ = ["UnsupportedChip", "additive_key_mask", "chip_tiles", "draw_dropout_seed", "flash_attention_t5",
+           "flash_attention_t5_varlen", "relative_bias_lut"]

@@ -250,15 +250,10 @@ def training_attention(config, device):
     as attention_dropout_rate, which FAT5's Triton kernel applies in-kernel on CUDA."""
     if not hasattr(config, "attention_backend") or not hasattr(config, "attention_dropout_rate"):
         return None
-    from types import SimpleNamespace
+    from fat5.attention_fat5 import needs_dense_bias, select_attention_backend
 
-    from fat5.attention_fat5 import select_attention_backend
-
-    # select_attention_backend reads only these of a query (its device, head dim) under "auto".
-    query = SimpleNamespace(is_cuda=device.type == "cuda", shape=(1, config.num_heads, 1, config.d_kv), device=device)
     try:
-        backend = select_attention_backend(config, query, config.position_encoding_type == "fire",
-                                           config.attention_dropout_rate)
+        backend = select_attention_backend(config, device, config.d_kv, needs_dense_bias(config))
     except ValueError as error:  # e.g. "triton" forced on a CPU: the first forward says the same
         return f"attention in training: {error_line(error)}"
     names = {"triton": "FAT5's Triton kernel", "sdpa": "SDPA", "eager": "the eager reference"}

@@ -1,25 +1,34 @@
 #!/usr/bin/env python3
-"""Static H100 (sm_90a) profile of FAT5's Triton attention kernels, on a machine WITHOUT a GPU.
+"""Static profile of FAT5's Triton attention kernels for any NVIDIA chip, on a machine WITHOUT a GPU.
 
-Compiles each kernel variant ahead of time for sm_90a (nothing is launched), then reads what the compiler
-produced: registers, spills, shared memory, whether ptxas serialised the wgmma tensor-core ops (warning C7515),
-and the machine instructions in each loop body, with its exp2 (MUFU) count. These are proxies, not timings:
-a GPU measurement always wins. They move with the things that decide flash-attention speed on Hopper (spills,
-serialised wgmma, instructions and exps per tile), so a change can be judged before a GPU is at hand.
+Compiles each kernel variant ahead of time for a compute capability (`--arch`, default 90: H100/H200's sm_90a;
+nothing is launched), then reads what the compiler produced: registers, spills and shared memory against the
+chip's limit per block, whether ptxas serialised Hopper's wgmma tensor-core ops (warning C7515), and the machine
+instructions in each tensor-core loop body, with its exp2 (MUFU) count. These are proxies, not timings: a GPU
+measurement always wins. They move with the things that decide flash-attention speed (spills, serialised wgmma,
+instructions and exps per tile), and a kernel whose shared memory exceeds the chip's limit cannot launch there.
 
-    python benchmarks/sm90_profile.py                      # every variant
+    python benchmarks/sm90_profile.py                      # every variant without dropout, sm_90a
     python benchmarks/sm90_profile.py t5_enc_d64 nobias_d64  # some variants
     python benchmarks/sm90_profile.py --dropout            # the attention-dropout variants and their baselines
+    python benchmarks/sm90_profile.py --arch 86 --all      # every variant, dropout included, for an A10 / RTX 30xx
+    python benchmarks/sm90_profile.py --arch all --all --summary  # every chip of CHIPS, one table per chip
     BLOCKS="fwd:128,64,8,3;dq:64,64,4,2" python ...          # try other (BLOCK_M, BLOCK_N, warps, stages)
                                                            # per kernel: fwd, dkdv, dq (bwd: dkdv and dq)
 
-Use triton 3.6.0 (the version paired with torch 2.11 on the H100) in its own venv: `pip install triton==3.6.0 torch`.
-The kernel module must keep the names this tool reads: _forward_kernel, _backward_dkdv_kernel,
-_backward_dq_kernel, _blocks(head_dim, kernel, device, dropout); adapt VARIANTS/arguments below when they change.
+Works with the triton of the GPU image (3.6.0, paired with torch 2.11) and the newest (3.9): the registers and
+spills are those of triton's own ptxas run (TRITON_DUMP_PTXAS_LOG), so the ptxas that triton picks for the chip
+(3.9 ships two, the newer for sm_90 and up) and its options decide them, as on the GPU. A venv for another triton:
+`pip install triton==3.6.0 torch`. Chips without bf16 (sm_75) compile the bf16 variants in fp16 (the kernel refuses
+bf16 there). The kernel module must keep the names this tool reads: _forward_kernel, _backward_dkdv_kernel,
+_backward_dq_kernel, chip_tiles(capability, kernel, head_dim, dropout); adapt VARIANTS/arguments below when they
+change.
 
-Output: one JSON line per kernel, then a table; loop bodies largest first. The kernels run one loop per kind of
-tile: forward and dQ over key tiles far-left, near band, far-right (T5); dK/dV over query tiles far-right, near
-band, far-left; with ALiBi or no bias one loop, plus a causal-diagonal loop when causal. `far/ceiling` compares the
+Output: one JSON line per kernel (tag, arch, kernel, config, registers, spill_bytes, smem, smem_limit, fits, error,
+...), then a table; loop bodies largest first; with --summary one compact table per chip (what the
+tests/test_kernel_chips.py slow test and benchmarks/RESULTS.md read). The kernels run one loop per kind of tile:
+forward and dQ over key tiles far-left, near band, far-right (T5); dK/dV over query tiles far-right, near band,
+far-left; with ALiBi or no bias one loop, plus a causal-diagonal loop when causal. `far/ceiling` compares the
 far-tile loop (the second largest when there are several: the largest is the near band or causal diagonal) with
 the same loop of the variant's no-bias ceiling (same dtype, head dim and causality); `exp2/elem` is that loop's
 MUFU count over the scores one thread holds (1 = one exp2 per score, plus the per-row rescale). Variants ending in
@@ -28,6 +37,8 @@ the variant without dropout.
 """
 import argparse
 import collections
+import contextlib
+import io
 import json
 import os
 import re
@@ -40,6 +51,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     print("sm90_profile.py: unset TRITON_INTERPRET (env -u TRITON_INTERPRET python ...): this tool compiles for the "
           "GPU", file=sys.stderr)
     sys.exit(2)
+OUT = tempfile.mkdtemp(prefix="sm90_profile_")
+# A fresh cache: triton runs ptxas (whose log this tool reads) only for kernels it has not compiled before.
+os.environ["TRITON_CACHE_DIR"] = os.path.join(OUT, "cache")
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -51,30 +65,36 @@ package.__path__ = [os.path.join(ROOT, "fat5")]
 sys.modules["fat5"] = package
 from fat5.kernels import flash_attention_t5 as K  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
+# Compute capability: (GPUs, shared memory a block may use in bytes: the CUDA programming guide's opt-in maximum,
+# which triton compares with a kernel's at its first launch). sm_75 has no bf16.
+CHIPS = {
+    75: ("T4, RTX 20xx", 64 * 1024),
+    80: ("A100, A30", 163 * 1024),
+    86: ("A10, A10G, A40, RTX 30xx", 99 * 1024),
+    89: ("L4, L40S, RTX 40xx", 99 * 1024),
+    90: ("H100, H200", 227 * 1024),
+    100: ("B200, GB200", 227 * 1024),
+    120: ("RTX 50xx, RTX PRO 6000", 99 * 1024),
+}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 POINTER = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
-OUT = tempfile.mkdtemp(prefix="sm90_profile_")
+KERNELS = {"forward": "_forward_kernel", "dkdv": "_backward_dkdv_kernel", "dq": "_backward_dq_kernel"}
 
 
-class _Cuda:
-    type = "cuda"
-
-
-def blocks(head_dim, kernel, dropout=False):
-    """The kernel's tiles ("forward", "dkdv" or "dq"), or the BLOCKS override of them."""
+def blocks(arch, head_dim, kernel, dropout=False):
+    """The kernel's tiles ("forward", "dkdv" or "dq") on the chip, or the BLOCKS override of them."""
     override = os.environ.get("BLOCKS")
     if override:
         parts = dict(part.split(":") for part in override.split(";"))
         for key in {"forward": ("fwd",), "dkdv": ("dkdv", "bwd"), "dq": ("dq", "bwd")}[kernel]:
             if key in parts:
                 return tuple(int(x) for x in parts[key].split(","))
-    return K._blocks(head_dim, kernel, _Cuda(), dropout)
+    return K.chip_tiles(arch, kernel, head_dim, dropout)
 
 
 def loops(sass):
-    """Instruction, MUFU (exp2) and HGMMA counts of each loop body (a backward branch) in a SASS listing;
-    an outer loop's count includes its inner loops."""
+    """Instruction, MUFU (exp2) and tensor-core (HGMMA, HMMA, UTC*MMA) counts of each loop body (a backward
+    branch) in a SASS listing; an outer loop's count includes its inner loops."""
     code = []
     for line in sass.splitlines():
         match = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
@@ -86,40 +106,55 @@ def loops(sass):
         if branch and int(branch.group(1), 16) < address:
             body = [t for a, t in code if int(branch.group(1), 16) <= a <= address]
             ops = collections.Counter(re.sub(r"^@!?U?P[T0-9]+\s+", "", t).split()[0].split(".")[0] for t in body)
-            found.append({"instructions": len(body), "mufu": ops.get("MUFU", 0), "hgmma": ops.get("HGMMA", 0)})
+            found.append({"instructions": len(body), "mufu": ops.get("MUFU", 0),
+                          "mma": sum(count for op, count in ops.items() if op.endswith("MMA"))})
     return sorted(found, key=lambda loop: -loop["instructions"])
 
 
-def build(tag, fn, signature, constants, divisible, num_warps, num_stages):
+def ptxas_reading(log):
+    """Registers and spilled bytes (stores + loads) from a `ptxas -v` log."""
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return (int(registers.group(1)) if registers else None,
+            int(spills.group(1)) + int(spills.group(2)) if spills else None)
+
+
+def build(arch, tag, fn, signature, constants, divisible, num_warps, num_stages):
     names = fn.arg_names
     sig = {n: ("constexpr" if n in constants else signature[n]) for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible if n in names and n not in constants}
+    info = dict(tag=tag, arch=arch, kernel=fn.__name__.strip("_"),
+                config=f"{constants['BLOCK_M']}x{constants['BLOCK_N']} w{num_warps} s{num_stages}")
+    log = io.StringIO()
+    triton.knobs.nvidia.dump_ptxas_log = True  # triton prints its ptxas -v log: the chip's own ptxas and options
     try:
-        kernel = triton.compile(ASTSource(fn, sig, constexprs=constants, attrs=attrs), target=TARGET,
-                                options=dict(num_warps=num_warps, num_stages=num_stages))
+        with contextlib.redirect_stdout(log):
+            kernel = triton.compile(ASTSource(fn, sig, constexprs=constants, attrs=attrs),
+                                    target=GPUTarget("cuda", arch, 32),
+                                    options=dict(num_warps=num_warps, num_stages=num_stages))
     except Exception as error:  # a compile failure is itself the finding
-        return dict(tag=tag, kernel=fn.__name__, error=f"{type(error).__name__}: {str(error)[:300]}")
-    base = os.path.join(OUT, f"{tag}_{fn.__name__}")
-    open(base + ".ptx", "w").write(kernel.asm["ptx"])
-    open(base + ".cubin", "wb").write(kernel.asm["cubin"])
-    info = dict(tag=tag, kernel=fn.__name__.strip("_"),
-                elements=constants["BLOCK_M"] * constants["BLOCK_N"] // (32 * num_warps),
-                config=f"{constants['BLOCK_M']}x{constants['BLOCK_N']} w{num_warps} s{num_stages}",
-                smem=kernel.metadata.shared)
-    ptxas = subprocess.run([os.path.join(BIN, "ptxas"), "-v", "--gpu-name", "sm_90a", base + ".ptx", "-o",
-                            "/dev/null"], capture_output=True, text=True)
-    registers = re.search(r"Used (\d+) registers", ptxas.stderr)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas.stderr)
-    info.update(registers=int(registers.group(1)) if registers else None,
-                spill_bytes=int(spills.group(1)) + int(spills.group(2)) if spills else None,
-                wgmma_serialized="C7515" in ptxas.stderr)
+        return dict(info, error=f"{type(error).__name__}: {str(error).strip()[:300]}")
+    finally:
+        triton.knobs.nvidia.dump_ptxas_log = False
+    base = os.path.join(OUT, f"{tag}_{arch}_{fn.__name__}")
+    with open(base + ".cubin", "wb") as cubin:
+        cubin.write(kernel.asm["cubin"])
+    registers, spill_bytes = ptxas_reading(log.getvalue())
+    limit = CHIPS.get(arch, (None, None))[1]
+    info.update(elements=constants["BLOCK_M"] * constants["BLOCK_N"] // (32 * num_warps),
+                registers=registers, spill_bytes=spill_bytes, smem=kernel.metadata.shared, smem_limit=limit,
+                fits=limit is None or kernel.metadata.shared <= limit,
+                wgmma_serialized="C7515" in log.getvalue())
     sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", base + ".cubin"], capture_output=True,
                           text=True).stdout
-    info["loops"] = [loop for loop in loops(sass) if loop["hgmma"]]  # the loops that run tensor-core tiles
+    found = loops(sass)
+    info["loops"] = [loop for loop in found if loop["mma"]] or found  # the loops that run the tiles' dots
     return info
 
 
-def variant(tag, dtype="bf16", head_dim=64, bias=1, causal=False, kmask=False, varlen=False, dropout=False):
+def variant(arch, tag, dtype="bf16", head_dim=64, bias=1, causal=False, kmask=False, varlen=False, dropout=False):
+    if dtype == "bf16" and arch < 80:
+        dtype = "fp16"  # the chip has no bf16: the kernel refuses it there
     pointer = POINTER[dtype]
     common = dict(MAX_DIST=128 if bias == 1 else 1, BIAS_TYPE=bias, CAUSAL=causal, HAS_KMASK=kmask,
                   IS_VARLEN=varlen, HEAD_DIM=head_dim, DOT_PRECISION="tf32" if dtype != "fp32" else "ieee",
@@ -127,23 +162,17 @@ def variant(tag, dtype="bf16", head_dim=64, bias=1, causal=False, kmask=False, v
     # The dropout arguments: the (seed, stream) tensor, the 16-bit threshold and 1 / (1 - p).
     dropout_signature = dict(SEED="*i64", dropout_threshold="i32", dropout_scale="fp32")
     results = []
-    bm, bn, warps, stages = blocks(head_dim, "forward", dropout)
-    fn = K._forward_kernel
-    signature = {n: "i32" for n in fn.arg_names}
-    signature.update(Q=pointer, K=pointer, V=pointer, Out=pointer, LSE="*fp32", LUT="*fp32", SLOPES="*fp32",
-                     KMASK="*fp32", CU_Q="*i32", CU_K="*i32", qk_scale="fp32", **dropout_signature)
-    divisible = [n for n in fn.arg_names if (n[0].isupper() and n not in common) or
-                 (n.startswith("stride") and n != "stride_lut_h")] + ["seqlen_q", "seqlen_k"]
-    results.append(build(tag, fn, signature, dict(common, BLOCK_M=bm, BLOCK_N=bn), divisible, warps, stages))
-    for fn, kernel in ((K._backward_dkdv_kernel, "dkdv"), (K._backward_dq_kernel, "dq")):
-        bm, bn, warps, stages = blocks(head_dim, kernel, dropout)
+    for kernel, name in KERNELS.items():
+        fn = getattr(K, name)
+        bm, bn, warps, stages = blocks(arch, head_dim, kernel, dropout)
         signature = {n: "i32" for n in fn.arg_names}
-        signature.update({n: pointer for n in ("Q", "K", "V", "DO", "DK", "DV", "DQ")})
+        signature.update({n: pointer for n in ("Q", "K", "V", "Out", "DO", "DK", "DV", "DQ")})
         signature.update(LSE="*fp32", DELTA="*fp32", DLUT="*fp32", LUT="*fp32", SLOPES="*fp32", KMASK="*fp32",
                          CU_Q="*i32", CU_K="*i32", qk_scale="fp32", scale="fp32", **dropout_signature)
         divisible = [n for n in fn.arg_names if (n[0].isupper() and n not in common) or
                      (n.startswith("stride") and n != "stride_lut_h")] + ["seqlen_q", "seqlen_k"]
-        results.append(build(tag, fn, signature, dict(common, BLOCK_M=bm, BLOCK_N=bn), divisible, warps, stages))
+        results.append(build(arch, tag, fn, signature, dict(common, BLOCK_M=bm, BLOCK_N=bn), divisible, warps,
+                             stages))
     return results
 
 
@@ -158,6 +187,9 @@ VARIANTS["alibi_d64"] = dict(bias=2, kmask=True)
 VARIANTS["t5_varlen_d64"] = dict(bias=1, varlen=True)
 for _tag in ("t5_enc_d64", "t5_dec_d64", "nobias_d64", "nobias_causal_d64"):
     VARIANTS[_tag + "_fp16"] = dict(VARIANTS[_tag], dtype="fp16")
+# Head dim 32 (T5-small-like models with more heads): the d <= 64 tiles, fewer columns.
+VARIANTS["t5_enc_d32"] = dict(head_dim=32, bias=1, kmask=True)
+VARIANTS["t5_dec_d32"] = dict(head_dim=32, bias=1, causal=True)
 # Attention dropout: each variant of issue 25's list against itself without dropout (`far/no-drop`).
 DROPOUT_VARIANTS = ("t5_enc_d64", "t5_dec_d64", "t5_varlen_d64", "alibi_d64", "nobias_d64", "t5_enc_d128",
                     "t5_dec_d128", "t5_enc_d64_fp16")
@@ -181,32 +213,13 @@ def far_loop(tag, row):
     return loops[1] if len(loops) >= 2 else (loops[0] if loops else None)
 
 
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("variants", nargs="*", metavar="VARIANT",
-                        help=f"variants to compile (default: every one without dropout): {', '.join(VARIANTS)}")
-    parser.add_argument("--dropout", action="store_true",
-                        help="also the attention-dropout variants and the same variants without dropout")
-    args = parser.parse_args()
-    unknown = [tag for tag in args.variants if tag not in VARIANTS]
-    if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
-    return args
+def arch_name(arch):
+    return f"sm_{arch}{'a' if arch >= 90 else ''}"
 
 
-if __name__ == "__main__":
-    args = parse_args()
-    chosen = list(args.variants)
-    if args.dropout:
-        chosen += [tag for base in DROPOUT_VARIANTS for tag in (base, base + "_drop") if tag not in chosen]
-    chosen = chosen or [tag for tag in VARIANTS if not VARIANTS[tag].get("dropout")]
-    rows = []
-    for tag in chosen:
-        for row in variant(tag, **VARIANTS[tag]):
-            print(json.dumps(row), flush=True)
-            rows.append(row)
+def print_details(arch, rows):
     found = {(r["tag"], r["kernel"]): r for r in rows if "error" not in r}
-    print(f"\ntriton {triton.__version__}, sm_90a, BLOCKS={os.environ.get('BLOCKS', 'kernel default')}")
+    print(f"\ntriton {triton.__version__}, {arch_name(arch)}, BLOCKS={os.environ.get('BLOCKS', 'kernel default')}")
     print(f"{'variant':20} {'kernel':22} {'tiles':12} {'regs':>4} {'spill':>6} {'smem':>6} {'serial':>6} "
           f"{'far/ceiling':>11} {'far/no-drop':>11} {'exp2/elem':>9}  loop bodies (instructions/exp2)")
     for r in rows:
@@ -222,6 +235,75 @@ if __name__ == "__main__":
         without = far_loop(None, without) if without else None
         dropout_ratio = f"{far['instructions'] / without['instructions']:.2f}" if far and without else "-"
         per_element = f"{far['mufu'] / r['elements']:.2f}" if far else "-"
-        print(f"{r['tag']:20} {r['kernel']:22} {r['config']:12} {r['registers']:>4} {r['spill_bytes']:>6} "
+        print(f"{r['tag']:20} {r['kernel']:22} {r['config']:12} {r['registers']!s:>4} {r['spill_bytes']!s:>6} "
               f"{r['smem']:>6} {str(r['wgmma_serialized']):>6} {ratio:>11} {dropout_ratio:>11} {per_element:>9}  "
               f"{bodies}")
+
+
+def cell(row):
+    """One kernel in the summary: tiles, registers, spilled bytes, shared memory in KiB, and what breaks."""
+    if row is None:
+        return "-"
+    if "error" in row:
+        return f"{row['config']} ERROR"
+    text = f"{row['config']} {row['registers']}r"
+    if row["spill_bytes"]:
+        text += f" **spill {row['spill_bytes']}**"
+    text += f" {row['smem'] / 1024:.0f}K"
+    return text + ("" if row["fits"] else " **> limit**")
+
+
+def print_summary(arch, rows):
+    """The chip's table: one line per variant, each kernel's tiles, registers, spills and shared memory."""
+    gpus, limit = CHIPS.get(arch, ("?", None))
+    by = {(r["tag"], r["kernel"]): r for r in rows}
+    tags = list(dict.fromkeys(r["tag"] for r in rows))
+    spilled = [r for r in rows if r.get("spill_bytes")]
+    print(f"\n{arch_name(arch)} ({gpus}; {limit // 1024 if limit else '?'} KiB shared memory a block), triton "
+          f"{triton.__version__}: {len(rows)} kernels, {sum('error' in r for r in rows)} errors, "
+          f"{sum(not r.get('fits', True) for r in rows)} over the shared-memory limit, {len(spilled)} spilling"
+          + (" (bf16 variants compiled in fp16: the chip has no bf16)" if arch < 80 else ""))
+    print("\n| variant | forward | dK/dV | dQ |\n|---|---|---|---|")
+    for tag in tags:
+        print(f"| {tag} | " + " | ".join(cell(by.get((tag, name.strip("_")))) for name in KERNELS.values()) + " |")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("variants", nargs="*", metavar="VARIANT",
+                        help=f"variants to compile (default: every one without dropout): {', '.join(VARIANTS)}")
+    parser.add_argument("--dropout", action="store_true",
+                        help="also the attention-dropout variants and the same variants without dropout")
+    parser.add_argument("--all", action="store_true", help="every variant, the attention-dropout ones included")
+    parser.add_argument("--arch", default="90",
+                        help=f"compute capability to compile for, or a comma-separated list, or 'all' "
+                             f"({', '.join(map(str, CHIPS))}); default 90 (H100, H200)")
+    parser.add_argument("--summary", action="store_true",
+                        help="print one compact table per chip (tiles, registers, spills, shared memory) instead of "
+                             "the loop-body table")
+    args = parser.parse_args()
+    unknown = [tag for tag in args.variants if tag not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    try:
+        args.arch = list(CHIPS) if args.arch == "all" else [int(arch) for arch in args.arch.split(",")]
+    except ValueError:
+        parser.error(f"--arch takes compute capabilities such as 80 or 80,86 or 'all', got {args.arch!r}")
+    return args
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    chosen = list(args.variants)
+    if args.dropout:
+        chosen += [tag for base in DROPOUT_VARIANTS for tag in (base, base + "_drop") if tag not in chosen]
+    if args.all:
+        chosen += [tag for tag in VARIANTS if tag not in chosen]
+    chosen = chosen or [tag for tag in VARIANTS if not VARIANTS[tag].get("dropout")]
+    for arch in args.arch:
+        rows = []
+        for tag in chosen:
+            for row in variant(arch, tag, **VARIANTS[tag]):
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        (print_summary if args.summary else print_details)(arch, rows)

@@ -385,9 +385,9 @@ def guarded_triton_attention_forward(query, key, value, *, fallback=True, **kwar
     return sdpa_attention_forward(query, key, value, **kwargs)
 
 
-# Every function takes q, k, v and the keyword arguments of the contract above (plus `segments`, the packed
-# rows' PackedSegments, `forward_cache`, the stack forward's list of `forward_cached` inputs, and `output_attentions`) and returns
-# (output, weights).
+# Every function takes q, k, v and the keyword arguments of the contract above (plus `segments`, the packed rows'
+# PackedSegments, `forward_cache`, the stack forward's list for `forward_cached`, and `output_attentions`) and
+# returns (output, weights).
 ATTENTION_FUNCTIONS = {"eager": eager_attention_forward, "sdpa": sdpa_attention_forward,
                        "triton": triton_attention_forward}
 

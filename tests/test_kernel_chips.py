@@ -1,0 +1,60 @@
+"""Every chip's build of the attention kernel fits the chip (slow tier; no GPU needed).
+
+`benchmarks/sm90_profile.py --arch N` compiles the kernels ahead of time for compute capability N with the installed
+triton and reads what ptxas reports. For the main variants on every chip of the kernel's tile table: each kernel
+builds, its shared memory fits the chip's limit per block (else Triton raises OutOfResources at the first launch),
+the forward spills nothing, and a backward kernel spills only where `BACKWARD_SPILLS` says no tile choice avoids it.
+A tile change that breaks a chip fails here. `python -m pytest -m slow tests/test_kernel_chips.py` runs it with the
+installed triton; `FAT5_TRITON_PYTHON=<a venv with another triton>/bin/python` runs the compiler under that one
+(the GPU image's torch 2.11 pairs with triton 3.6.0, the newest torch with 3.9: benchmarks/RESULTS.md has both).
+"""
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# The interpreter that runs the compiler: this one, or one of a venv holding another triton.
+PYTHON = os.environ.get("FAT5_TRITON_PYTHON", sys.executable)
+if PYTHON == sys.executable:
+    pytest.importorskip("triton")
+PROFILE = Path(__file__).resolve().parent.parent / "benchmarks" / "sm90_profile.py"
+CHIPS = (75, 80, 86, 89, 90, 100, 120)
+# The T5 encoder (key mask), the T5 decoder at head dim 128 (the dQ that did not fit an A10), packed rows with
+# attention dropout (the most registers), ALiBi.
+MAIN_VARIANTS = ("t5_enc_d64", "t5_dec_d128", "t5_varlen_d64_drop", "alibi_d64")
+# (chip, variant, kernel) -> bytes its build spills, for backward kernels that spill whatever their tiles (see the
+# kernel's tile table and docs/kernels.md).
+BACKWARD_SPILLS = {}
+
+
+def profile(arch):
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([PYTHON, str(PROFILE), "--arch", str(arch), "--summary", *MAIN_VARIANTS],
+                            env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_every_chip_builds_the_main_variants_within_its_limits():
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        rows = [row for rows in pool.map(profile, CHIPS) for row in rows]
+    assert len(rows) == len(CHIPS) * len(MAIN_VARIANTS) * 3
+    problems = []
+    for row in rows:
+        where = f"sm_{row['arch']} {row['tag']} {row['kernel']} ({row['config']})"
+        if "error" in row:
+            problems.append(f"{where}: {row['error']}")
+            continue
+        if not row["fits"]:
+            problems.append(f"{where}: {row['smem']} bytes of shared memory, the chip has {row['smem_limit']}")
+        allowed = 0 if row["kernel"] == "forward_kernel" else \
+            BACKWARD_SPILLS.get((row["arch"], row["tag"], row["kernel"].removesuffix("_kernel")), 0)
+        if row["spill_bytes"] is None or row["spill_bytes"] > allowed:
+            problems.append(f"{where}: spills {row['spill_bytes']} bytes (allowed: {allowed})")
+    assert not problems, "\n".join(problems)

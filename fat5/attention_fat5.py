@@ -356,10 +356,10 @@ def guarded_triton_attention_forward(query, key, value, *, fallback=True, **kwar
     torch.compile traces or a CUDA graph captures: an eager first step checks."""
     if query.device.type not in GUARDED_DEVICES:
         return triton_attention_forward(query, key, value, **kwargs)
-    variant = kernel_variant(query, key, **kwargs)
     if torch.compiler.is_compiling() or (query.is_cuda and torch.cuda.is_current_stream_capturing()):
-        function = sdpa_attention_forward if variant in KERNEL_FALLBACKS else triton_attention_forward
-        return function(query, key, value, **kwargs)
+        fallen = KERNEL_FALLBACKS and kernel_variant(query, key, **kwargs) in KERNEL_FALLBACKS
+        return (sdpa_attention_forward if fallen else triton_attention_forward)(query, key, value, **kwargs)
+    variant = kernel_variant(query, key, **kwargs)
     if variant not in KERNEL_FALLBACKS:
         error = None
         try:

@@ -181,3 +181,22 @@ def test_the_check_leaves_the_users_random_streams_alone():
     torch.manual_seed(5)
     guarded_triton_attention_forward(*states, fallback=True, **{**options, "dropout_p": 0.0})
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_torch_compile_traces_the_guarded_kernel_in_one_graph(monkeypatch):
+    """While torch.compile traces, nothing is checked (a first eager step does): the kernel's op is traced as it
+    is, or SDPA for a variant known to fail."""
+    states, options = attention_inputs()
+
+    def attention(q, k, v):
+        return guarded_triton_attention_forward(q, k, v, fallback=True, **options)[0]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")
+    assert torch.allclose(compiled(*states), sdpa_result(states, options)[0], atol=1e-4)
+    assert not attention_fat5.KERNEL_CHECKED
+    monkeypatch.setattr(kernel_module, "_forward_kernel", _Launch(None, OutOfResources(1, 0, "shared memory")))
+    guarded_triton_attention_forward(*states, fallback=True, **options)  # an eager step: falls back
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(*states), sdpa_result(states, options)[0])

@@ -52,7 +52,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
           "GPU", file=sys.stderr)
     sys.exit(2)
 OUT = tempfile.mkdtemp(prefix="sm90_profile_")
-# A fresh cache: triton runs ptxas (whose log this tool reads) only for kernels it has not compiled before.
+# Triton runs ptxas (whose log this tool reads) only for kernels it has not compiled before: compile every time
+# (sm_75's fp16 variants are its bf16 ones), in a cache of our own.
+os.environ["TRITON_ALWAYS_COMPILE"] = "1"
 os.environ["TRITON_CACHE_DIR"] = os.path.join(OUT, "cache")
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

@@ -819,3 +819,19 @@ def test_dropout_at_realistic_sizes_in_bf16_on_gpu(causal):
         our_error = (ours.double() - reference).abs().max().item()
         torch_error = (torch_low.double() - reference).abs().max().item()
         assert our_error <= 2 * torch_error + 1e-3 * reference.abs().max().item(), name
+
+
+def test_every_chips_tiles_are_valid_and_unlisted_chips_take_the_generation_below():
+    """What the kernels assume of their tiles (powers of two of at least 16; dQ's BLOCK_M a multiple of BLOCK_N;
+    key tiles no wider than the key mask's padding), for every chip of the table and head dim.
+    tests/test_kernel_chips.py (slow tier) compiles them for each chip."""
+    for capability in kernel_module.TILES:
+        for kernel in ("forward", "dkdv", "dq"):
+            for head_dim in kernel_module.HEAD_DIMS:
+                for dropout in (False, True):
+                    block_m, block_n, warps, stages = kernel_module.chip_tiles(capability, kernel, head_dim, dropout)
+                    assert all(x >= 16 and x & (x - 1) == 0 for x in (block_m, block_n)), (capability, kernel)
+                    assert block_n <= kernel_module.KEY_MASK_PAD and warps in (1, 2, 4, 8) and stages >= 1
+                    assert kernel != "dq" or block_m % block_n == 0, (capability, head_dim, dropout)
+    for unlisted, listed in ((87, 86), (103, 100), (110, 100), (121, 120), (70, 75), (130, 120)):
+        assert kernel_module.chip_tiles(unlisted, "dq", 128) == kernel_module.chip_tiles(listed, "dq", 128)

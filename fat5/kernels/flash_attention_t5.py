@@ -12,7 +12,7 @@ program therefore walks its tiles in three loops with scalar bounds (far-left, n
 kind fixed at compile time: far tiles cost what a no-bias tile costs (the scalar shifts the row max, the key mask
 is one additive column vector, the causal mask only exists in the near-band loop, which holds the diagonal), and the
 backward sums their dS per row into one of two table entries. Only near-band tiles gather per element and add
-their dS to the table per diagonal with relaxed atomics. benchmarks/sm90_profile.py reads the sm_90a build.
+their dS to the table per diagonal with relaxed atomics. benchmarks/sm90_profile.py reads the build for any chip.
 
 ALiBi (-slope * |k - q|) is computed from the slopes, per element only on tiles that cross the diagonal (on
 either side it splits into a per-key and a per-row part); with no bias the kernel is plain flash attention.
@@ -60,49 +60,51 @@ PHILOX_ROUNDS = tl.constexpr(7)
 DROPOUT_BITS = 16
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) of each kernel, for head dims <= 64 and for 128, by GPU generation,
-# chosen from the static build of every variant for each chip (benchmarks/sm90_profile.py --arch N): it fits the
-# chip's shared memory per block, spills nothing (except where noted) and keeps one exp2 per score where it can.
-# dK/dV's BLOCK_M walks query tiles for a BLOCK_N key tile; dQ needs BLOCK_M a multiple of BLOCK_N.
-HOPPER = {  # wgmma, 227 KB: Hopper-sized, no serialised wgmma (see benchmarks/RESULTS.md)
-    "forward": ((128, 64, 8, 3), (128, 32, 8, 2)),
-    "forward dropout": ((128, 64, 8, 3), (128, 32, 8, 2)),
-    "dkdv": ((64, 64, 4, 2), (64, 32, 8, 2)),
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of each kernel at head dims 32, 64 and 128, by GPU generation, chosen
+# from the static build of every variant for each chip with the GPU image's triton (3.6) and the newest (3.9)
+# (benchmarks/sm90_profile.py --arch N; tables in benchmarks/RESULTS.md): each fits the chip's shared memory per
+# block, and the forward spills nothing. dK/dV's BLOCK_M walks query tiles for a BLOCK_N key tile; dQ needs BLOCK_M a
+# multiple of BLOCK_N.
+HOPPER = {  # wgmma, 227 KB: no spills and no serialised wgmma with triton 3.6
+    "forward": ((128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 8, 2)),
+    "forward dropout": ((128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 8, 2)),
+    "dkdv": ((64, 64, 4, 2), (64, 64, 4, 2), (64, 32, 8, 2)),
     # The dropout mask's Philox rounds need registers that 64 x 64 on 4 warps does not have: 8 warps at d <= 64.
-    "dkdv dropout": ((128, 64, 8, 2), (64, 32, 4, 2)),
+    "dkdv dropout": ((128, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2)),
     # At d = 128 two warpgroups of 64 query rows share each key tile (64 rows on 8 warps computed every exp2 twice
     # and serialised the wgmma; on 4 warps they read each key tile twice as often).
-    "dq": ((64, 64, 4, 2), (128, 32, 8, 2)),
-    "dq dropout": ((128, 32, 8, 2), (128, 32, 8, 2)),
+    "dq": ((64, 64, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2)),
+    "dq dropout": ((128, 32, 8, 2), (128, 32, 8, 2), (128, 32, 8, 2)),
 }
 # tcgen05, 227 KB: Hopper's tiles but dQ's at d <= 64, whose 64 x 64 tiles on 4 warps spill there.
-BLACKWELL = dict(HOPPER, dq=((128, 32, 8, 2), (128, 32, 8, 2)))
-AMPERE = {  # mma.sync, operands in registers, 99 KB (163 KB on sm_80): narrower key tiles in the backward
-    "forward": ((128, 64, 8, 3), (128, 32, 8, 2)),
-    "forward dropout": ((128, 32, 8, 3), (128, 32, 8, 2)),
-    "dkdv": ((64, 32, 4, 2), (64, 32, 8, 2)),
-    "dkdv dropout": ((64, 32, 4, 3), (64, 32, 4, 2)),
-    "dq": ((128, 32, 8, 2), (64, 32, 4, 2)),
-    "dq dropout": ((128, 32, 8, 2), (32, 32, 4, 2)),
+BLACKWELL = dict(HOPPER, dq=((128, 32, 8, 2), (128, 32, 8, 2), (128, 32, 8, 2)))
+AMPERE = {  # mma.sync, operands in registers, 99 KB (163 KB on sm_80): 32-wide key tiles
+    "forward": ((128, 32, 8, 3), (128, 32, 8, 3), (128, 32, 8, 3)),
+    "forward dropout": ((128, 32, 8, 3), (128, 32, 8, 3), (128, 32, 8, 3)),
+    "dkdv": ((64, 32, 4, 2), (64, 32, 4, 2), (64, 32, 8, 2)),
+    "dkdv dropout": ((32, 32, 4, 2), (32, 32, 4, 2), (64, 32, 8, 2)),
+    "dq": ((64, 32, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2)),
+    "dq dropout": ((128, 32, 8, 2), (128, 32, 8, 2), (64, 16, 8, 2)),
 }
-TURING = {  # no tensor cores in Triton's build (FMA dots hold whole operand rows in registers), 64 KB: small tiles,
-    # 8 warps (d = 128 on 16 x 16 tiles: one score a thread, or the forward and dQ spill 0.7-2.5 KB)
-    "forward": ((32, 32, 8, 1), (16, 16, 8, 1)),
-    "forward dropout": ((32, 32, 8, 1), (16, 16, 8, 1)),
-    "dkdv": ((32, 32, 8, 1), (32, 16, 8, 1)),
-    "dkdv dropout": ((32, 32, 8, 1), (32, 16, 8, 1)),
-    "dq": ((32, 32, 8, 1), (16, 16, 8, 1)),
-    "dq dropout": ((32, 32, 8, 1), (16, 16, 8, 1)),
+TURING = {  # no tensor cores in Triton's build (FMA dots hold whole operand rows in registers), 64 KB: small tiles
+    # on 8 warps (at d = 128, 16 x 16: one score a thread, or the forward and dQ spill 0.7-2.5 KB)
+    "forward": ((32, 32, 8, 1), (32, 32, 8, 1), (16, 16, 8, 1)),
+    "forward dropout": ((32, 32, 8, 1), (32, 32, 8, 1), (16, 16, 8, 1)),
+    "dkdv": ((32, 32, 8, 1), (32, 32, 8, 1), (32, 16, 8, 1)),
+    "dkdv dropout": ((32, 32, 8, 1), (32, 32, 8, 1), (32, 16, 8, 1)),
+    "dq": ((32, 32, 8, 1), (32, 32, 8, 1), (16, 16, 8, 1)),
+    "dq dropout": ((32, 32, 8, 1), (32, 32, 8, 1), (16, 16, 8, 1)),
 }
 # Compute capability (major * 10 + minor) -> tiles; a chip not listed takes the nearest generation below it.
 TILES = {75: TURING, 80: AMPERE, 86: AMPERE, 89: AMPERE, 90: HOPPER, 100: BLACKWELL, 120: AMPERE}
 
 
 def chip_tiles(capability, kernel, head_dim, dropout=False):
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of `kernel` ("forward", "dkdv" or "dq") on a GPU of compute
-    capability `capability` (major * 10 + minor, e.g. 86)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of `kernel` ("forward", "dkdv" or "dq") at `head_dim` on a GPU of
+    compute capability `capability` (major * 10 + minor, e.g. 86)."""
     known = [key for key in TILES if key <= capability] or [min(TILES)]
-    return TILES[max(known)][kernel + (" dropout" if dropout else "")][head_dim > 64]
+    column = 0 if head_dim <= 32 else 1 if head_dim <= 64 else 2
+    return TILES[max(known)][kernel + (" dropout" if dropout else "")][column]
 
 
 def _blocks(head_dim, kernel, device, dropout=False):

@@ -7,7 +7,11 @@ that tests/references.py draws in torch from the same seed.
 """
 
 import importlib
+import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +35,7 @@ FP32_TOLERANCE = 1e-4
 FP16_TOLERANCE = 2e-2
 NUM_BUCKETS, MAX_DISTANCE = 8, 12
 INTERPRETED = KERNEL_DEVICE.type == "cpu"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
@@ -753,6 +758,82 @@ def test_bad_dropout_arguments_raise_clear_errors(make, message):
     q, _, _, _ = inputs(1, 1, 8, 8, 32)
     with pytest.raises(ValueError, match=message):
         make(q)
+
+
+def test_a_strided_dropout_seed_is_read_as_its_values():
+    """The kernels read the Philox key at SEED and the stream at SEED + 1: a strided (2,) view gives the mask of
+    its values, not of the memory beside them."""
+    q, k, v, table = inputs(1, 2, 20, 20, 32, seed=48)
+    options = dict(bias_table=table, num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE, dropout_p=0.3)
+    strided = torch.tensor([5, 99, 6, 98], dtype=torch.int64, device=KERNEL_DEVICE)[::2]
+    assert not strided.is_contiguous()
+    assert torch.equal(flash_attention_t5(q, k, v, **options, dropout_seed=strided),
+                       flash_attention_t5(q, k, v, **options, dropout_seed=seed_tensor(5, 6)))
+
+
+# Runs without the interpreter: records the kernels' launches (on CPU tensors, nothing runs), asks each kernel's
+# own argument binder how Triton would specialise them for an sm_90 GPU, and compiles the forward for it.
+SPECIALISATION = """
+import json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+from fat5.kernels import flash_attention_t5 as kernel_module
+
+target = GPUTarget("cuda", 90, 32)
+backend = make_backend(target)
+launches = []
+
+
+class Recorder:
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
+
+
+for name in ("_forward_kernel", "_backward_delta_kernel", "_backward_dkdv_kernel", "_backward_dq_kernel"):
+    setattr(kernel_module, name, Recorder(getattr(kernel_module, name)))
+q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+lut = kernel_module.relative_bias_lut(torch.randn(32, 2), True, 32, 128)
+found = {}
+for p in map(float, sys.argv[1:]):
+    launches.clear()
+    dropout_p, seed = kernel_module._dropout_inputs(p, torch.tensor([3, 4]), q.device)
+    _, lse = kernel_module._flash_attention_forward(q, q, q, lut, None, None, None, None, 64, 64, False, 0, 1.0,
+                                                    dropout_p, seed)
+    kernel_module._flash_attention_backward(q, q, q, q, q, lse, lut, None, None, None, None, 64, 64, False, 0, 1.0,
+                                            dropout_p, seed)
+    for kernel, args, kwargs in launches:
+        if "dropout_threshold" in kernel.arg_names:
+            binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+            bound, specialization, options = binder(*args, **kwargs)
+            found[f"{p} {kernel.fn.__name__}"] = specialization[kernel.arg_names.index("dropout_threshold")]
+            if p == float(sys.argv[1]) and kernel.fn.__name__ == "_forward_kernel":  # the first p's forward
+                options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization,
+                                                                          options)
+                triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                               options=options.__dict__)
+print(json.dumps(found))
+"""
+
+
+def test_every_dropout_threshold_compiles_as_one_runtime_argument():
+    """Triton compiles an int argument equal to 1 as a constant (the interpreter never does): 7.6e-6 <= p < 2.3e-5
+    rounds to a 16-bit threshold of 1, on which the kernels' `.to` failed to compile. The threshold stays an i32
+    argument whatever p is (no variant per value either), and the forward compiles for sm_90 at p = 1e-5."""
+    probabilities = [1e-5, 2**-16, 0.1, 0.5]
+    assert [round(p * 2**16) for p in probabilities] == [1, 1, 6554, 32768]
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", SPECIALISATION, *map(str, probabilities)], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(found) == 3 * len(probabilities)
+    assert {tuple(specialisation) for specialisation in found.values()} == {("i32", None)}
 
 
 @pytest.mark.gpu

@@ -14,14 +14,19 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
+def read_rows(path):
+    """(header, rows) of a benchmark's JSON lines: every line whole."""
+    header, *rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {"benchmark", "device", "date", "torch", "triton", "transformers", "command", "settings"} <= set(header)
+    return header, rows
+
+
 def run_smoke(script, tmp_path, *extra):
     result = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke", "--no-plot", "--out",
                              str(tmp_path), *extra], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    (raw,) = tmp_path.glob("*.json")
-    document = json.loads(raw.read_text())
-    assert {"device", "date", "torch", "transformers", "rows"} <= set(document)
-    return result.stdout, document["rows"]
+    (raw,) = tmp_path.glob("*.jsonl")
+    return result.stdout, read_rows(raw)[1]
 
 
 def table_rows(stdout, first_cell):
@@ -69,7 +74,9 @@ def test_generate_smoke_compares_fat5_with_transformers_t5(tmp_path):
                 assert row["same_tokens_as_fat5"] is True
     # A peer that cannot run here (transformers 4.57 has no SDPA T5) is an error row with its message, not a crash.
     assert all(r["status"] == "ok" or r["status"].startswith("error: ") for r in rows)
-    best = table_rows(stdout, "1 | best") + table_rows(stdout, "2 | best")
+    assert {row["encoder_length"] for row in rows} == {16}
+    assert all(row["ms_per_token"] > 0 for row in rows if row["status"] == "ok")
+    best = table_rows(stdout, "16 | 1 | best") + table_rows(stdout, "16 | 2 | best")
     assert len(best) == 2 and all(line.strip(" |").split(" | ")[-1].endswith("x") for line in best)
 
 
@@ -80,8 +87,8 @@ def test_loss_memory_smoke_run(tmp_path):
     result = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    (output,) = tmp_path.glob("loss_memory_*.json")
-    row = json.loads(output.read_text())
+    (output,) = tmp_path.glob("loss_memory_*.jsonl")
+    row = {key: value for part in read_rows(output)[1] for key, value in part.items()}
     assert set(row["peak_bytes"]) == {"full fp32 logits", "chunked (default)"}
     assert row["chunked_peak_bytes_real_run"] == row["peak_bytes"]["chunked (default)"]
     assert row["loss_relative_difference"] < 1e-5 and row["max_gradient_relative_difference"] < 1e-4
@@ -213,12 +220,13 @@ def test_generate_reports_other_tokens_as_a_mismatch():
     assert generate.token_mismatch(other, fat5) == \
         "mismatch: tokens differ from FAT5's in 1 of 2 rows, from new token 3"
     # The row keeps its speed (as many tokens were generated), and the table marks it.
-    row = dict(implementation="t5_eager", cache="dynamic", batch=2, tokens_per_s=50.0, status="mismatch: ...")
-    ours = dict(implementation="fat5", cache="dynamic", batch=2, tokens_per_s=100.0, status="ok")
-    args = SimpleNamespace(shape={}, dtype="bfloat16", encoder_length=8, new_tokens=3, batches=[2],
+    row = dict(implementation="t5_eager", cache="dynamic", batch=2, encoder_length=8, tokens_per_s=50.0,
+               status="mismatch: ...")
+    ours = dict(implementation="fat5", cache="dynamic", batch=2, encoder_length=8, tokens_per_s=100.0, status="ok")
+    args = SimpleNamespace(shape={}, dtype="bfloat16", encoder_lengths=[8], new_tokens=3, batches=[2],
                            caches=["dynamic"], impl=["fat5", "t5_eager"])
     table = generate.markdown([ours, row], args)
-    assert "| 2 | dynamic | 100 | 50* | 2.00x |" in table and "`*`: mismatch" in table
+    assert "| 8 | 2 | dynamic | 100 | 50* | 2.00x |" in table and "`*`: mismatch" in table
 
 
 def test_gpu_suite_goals_from_rows():

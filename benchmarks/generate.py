@@ -50,7 +50,7 @@ def cuda_graph_skips():
     return counters["inductor"]["cudagraph_skips"]
 
 
-def generate_rows(name, model, args, fat5_tokens, rows):
+def generate_rows(name, model, args, fat5_tokens, rows, status):
     """Append to `rows` one row per (encoder length, cache, batch): generated tokens/s, ms per generate call and per
     new token, peak MiB, agreement with FAT5's tokens, status."""
     device = common.device()
@@ -71,7 +71,7 @@ def generate_rows(name, model, args, fat5_tokens, rows):
                     options["cache_implementation"] = "static"
                 row = dict(implementation=name, cache=cache, batch=batch, encoder_length=encoder_length,
                            new_tokens=args.new_tokens, tokens_per_s=None, ms=None, ms_per_token=None, peak_mib=None,
-                           same_tokens_as_fat5=None, cuda_graph_skips=None, status="ok")
+                           same_tokens_as_fat5=None, cuda_graph_skips=None, status=status)
                 skips = cuda_graph_skips()
                 try:
                     outputs = []
@@ -89,7 +89,7 @@ def generate_rows(name, model, args, fat5_tokens, rows):
                     if key in fat5_tokens:
                         mismatch = token_mismatch(tokens, fat5_tokens[key])
                         row["same_tokens_as_fat5"] = mismatch is None
-                        row["status"] = mismatch or "ok"
+                        row["status"] = mismatch or status
                 except Exception as error:  # a cache or peer that cannot run here: a row, not a crash
                     row["status"] = common.error_status(error)
                 rows.append(row)
@@ -204,11 +204,11 @@ def main():
     settings = dict(shape=args.shape, dtype=args.dtype, new_tokens=args.new_tokens, reps=args.reps,
                     warmup=args.warmup, max_seconds=args.max_seconds)
     rows, fat5_tokens = common.Rows("generate", settings, args.out), {}
-    reference, batch, expected = common.reference_and_check(args.shape)
+    reference, batch, expected = common.reference_and_check(args.shape, args.dtype)
     for name in args.impl:
-        model, status = common.checked_model(name, reference, batch, expected)
-        if status is None:
-            generate_rows(name, model, args, fat5_tokens, rows)
+        model, status = common.checked_model(name, reference, batch, expected, args.dtype)
+        if model is not None:
+            generate_rows(name, model, args, fat5_tokens, rows, status)
         else:
             rows.extend(dict(implementation=name, cache=cache, batch=size, encoder_length=length,
                              new_tokens=args.new_tokens, tokens_per_s=None, ms=None, ms_per_token=None, peak_mib=None,

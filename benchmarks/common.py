@@ -178,7 +178,7 @@ def ratio(ours, theirs):
 class Rows(list):
     """A benchmark's rows, each written to <out_dir>/<benchmark>_<device>_<date>.jsonl the moment it is appended
     (JSON lines; the first holds benchmark, device, versions, date, command and settings), so a run killed midway
-    keeps every row it measured. `read_rows(path)` reads such a file back."""
+    keeps every row it measured (gpu_suite.py reads them back, a line cut short by a kill left out)."""
 
     def __init__(self, benchmark, settings, out_dir):
         super().__init__()
@@ -197,20 +197,6 @@ class Rows(list):
     def extend(self, rows):
         for row in rows:
             self.append(row)
-
-
-def read_rows(lines):
-    """(header, rows) of the JSON lines a `Rows` wrote (a path, or the lines); a last line cut short by a kill is
-    left out."""
-    if isinstance(lines, (str, Path)):
-        lines = Path(lines).read_text().splitlines()
-    documents = []
-    for line in lines:
-        try:
-            documents.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return (documents[0], documents[1:]) if documents else ({}, [])
 
 
 def pyplot():

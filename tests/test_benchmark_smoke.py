@@ -49,7 +49,7 @@ def test_attention_smoke_writes_rows(tmp_path):
 @pytest.mark.slow
 def test_train_step_smoke_compares_fat5_with_transformers_t5(tmp_path):
     stdout, rows = run_smoke("train_step.py", tmp_path)
-    assert "max|logits - T5 eager logits| / max|logits|" in stdout
+    assert "max|logits - T5 eager fp32 logits| / max|logits|" in stdout
     ok = {(r["implementation"], r["L"]) for r in rows if r["status"] == "ok"}
     assert ok >= {("fat5", 16), ("fat5", 32), ("t5_eager", 16), ("t5_eager", 32)}
     for row in rows:
@@ -125,8 +125,8 @@ def test_decode_smoke_run_writes_rows(tmp_path):
                  "argument --decode-batches: 'one' is not an integer", marks=pytest.mark.slow),
     pytest.param("attention.py", ["--dropout", "1.0"], "--dropout 1.0: must be in [0, 1)", marks=pytest.mark.slow),
     ("gpu_suite.py", ["--call", "1", "--steps", "tests,nope"], "unknown --steps ['tests', 'nope'] for call 1; choose "
-     "from environment, compile, correctness, attention_encoder, attention_decoder, train_step, generate, "
-     "train_step_flex"),
+     "from environment, compile, correctness, attention_encoder, attention_decoder, train_step, train_step_flex, "
+     "generate"),
     pytest.param("gpu_suite.py", ["--call", "2", "--cap", "generate=0"], "--cap 'generate=0': expected STEP=SECONDS "
                  "with STEP one of environment, compile, attention_dropout, attention_decode, attention_long, "
                  "train_step_long, generate_compiled, attention_decoder_flex, generate_long, fp32_parity",

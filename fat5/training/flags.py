@@ -51,6 +51,9 @@ class RunFolderArguments:
     resume_with_changed_settings: bool = field(default=False, metadata={
         "help": "with --resume_from_checkpoint: continue the run although settings that shape training differ from "
                 "those it was started with (otherwise refused, naming them)"})
+    allow_non_finite: bool = field(default=False, metadata={
+        "help": "train a model holding NaN or infinite weights, and go on when a gradient, loss or weight turns "
+                "non-finite (otherwise refused, or the run stops with exit status 1 before saving it)"})
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

@@ -7,7 +7,7 @@
 - Output that cannot be written (`WriteFailed`: a full disk during a checkpoint or an export): one line
   `error: writing ... failed (...); <what the output folder holds>`, exit status 2.
 - Training that met a non-finite gradient, loss or weight (`TrainingDiverged`): one line `error: training stopped
-  at step N: ...; <what the output folder holds>`, exit status 1, nothing of it saved.
+  at step N: ...; <what the output folder holds>`, exit status 1, nothing from that step on saved.
 - Ctrl-C at any moment, imports included: one line `interrupted: <what the output folder holds>` on stderr,
   exit status 130 (`EXIT_INTERRUPTED`). SIGTERM (`kill`, a job scheduler, a container stopping) is handled the
   same way, with `terminated: ...` and exit status 143 (`EXIT_TERMINATED`).

@@ -56,8 +56,8 @@ class NonFiniteStop(TrainerCallback):
         self.off = bool(getattr(args, "allow_non_finite", False))
 
     def stop(self, step, what):
-        raise TrainingDiverged(f"training stopped at step {step}: {what}; nothing of it was saved (pass {ALLOW} to "
-                               f"train on non-finite values)")
+        raise TrainingDiverged(f"training stopped at step {step}: {what}; nothing from this step on was saved (pass "
+                               f"{ALLOW} to train on non-finite values)")
 
     def check_weights(self, model, step, when):
         found = None if self.off or model is None else non_finite_weight(model)

@@ -17,7 +17,7 @@
 
 Only the standard library is imported here (and `fat5/__init__.py` imports nothing until a model class is asked
 for), so an entry point catches Ctrl-C while torch and transformers are still being imported, and answers --help
-and bad flags without them. Nothing in a checkpoint folder needs this module: it is never exported.
+without torch. Nothing in a checkpoint folder needs this module: it is never exported.
 """
 
 import argparse

@@ -28,8 +28,8 @@ from fat5.cli import exit_with, require, run
 from .flags import CommandFlags, RunFolderArguments
 from .pretrain_flags import PROG, USAGE, PretrainArguments, defaults_line
 
-# This module answers --help before torch and transformers load (fat5/training/flags.py); the run itself, with torch
-# and transformers, is fat5/training/pretraining.py, which parses the flags.
+# This module answers --help before torch loads (fat5/training/flags.py); the run itself, with torch and
+# transformers, is fat5/training/pretraining.py, which parses the flags.
 
 
 def full_parser():

@@ -5,7 +5,7 @@ Every recipe parses these dataclasses plus transformers' `Seq2SeqTrainingArgumen
 --deepspeed, --fsdp, ...) pass through unchanged.
 
 Only the standard library is imported here (fat5/recipes/data.py uses no more), so that a recipe's command
-(fat5/recipes/command.py) reads and checks these flags before torch, transformers and datasets load.
+(fat5/recipes/command.py) answers --help before torch, transformers' Trainer and datasets load.
 """
 
 from collections.abc import Callable

@@ -18,8 +18,11 @@ def non_finite_weight(model):
     overflow it), so no mask the size of the tensor is made."""
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if tensor.is_floating_point() and tensor.device.type != "meta" and tensor.numel() \
-                    and not torch.isfinite(tensor.sum(dtype=torch.float32)):
+            if not tensor.is_floating_point() or tensor.device.type == "meta" or not tensor.numel():
+                continue
+            total = tensor.sum(dtype=torch.float32)
+            total = total.full_tensor() if hasattr(total, "full_tensor") else total  # a sharded (FSDP2) weight
+            if not torch.isfinite(total):
                 return name, tensor
     return None
 
@@ -73,6 +76,7 @@ class NonFiniteStop(TrainerCallback):
         gradients = [param.grad for param in model.parameters() if param.grad is not None]
         if gradients:
             norm = torch.nn.utils.get_total_norm(gradients)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a sharded (FSDP2) norm
             if not torch.isfinite(norm):
                 self.stop(state.global_step + 1, f"the gradient norm is {norm.item()}")
 

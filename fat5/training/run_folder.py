@@ -86,7 +86,8 @@ from .flags import RunFolderArguments  # the run folder's flags, read before tra
 RECORD_NAME = "fat5_run.json"
 LOCK_NAME = ".fat5_run.lock"
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
-# Hidden folders of checkpoints being written (.partial) or deleted (.removed); never read, cleaned at start-up.
+# Hidden folders of checkpoints deleted (.removed), or written by earlier FAT5 versions (.partial); never read,
+# cleaned at start-up.
 CHECKPOINT_LEFTOVER = re.compile(r"\.checkpoint-\d+\.(partial|removed)(-old)?|\..+\.removed")
 RESUME_LAST = ("latest", "last", "true", "True")
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers' name, in every version

@@ -192,7 +192,7 @@ def test_ctrl_c_says_what_the_folder_holds(tiny, tmp_path):
                                 *tiny_flags(tiny, out, 100000)],
                                cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while not (out / "checkpoint-2").is_dir() and process.poll() is None and time.monotonic() < deadline:
+    while read_record(out / "checkpoint-2") is None and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
@@ -217,7 +217,7 @@ def test_sigterm_says_what_the_folder_holds(tiny, tmp_path, to_the_group):
                                start_new_session=True)
     try:
         deadline = time.monotonic() + 300
-        while not (out / "checkpoint-2").is_dir() and process.poll() is None and time.monotonic() < deadline:
+        while read_record(out / "checkpoint-2") is None and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert process.poll() is None, process.stderr.read()[-3000:]
         (os.killpg if to_the_group else os.kill)(process.pid, signal.SIGTERM)

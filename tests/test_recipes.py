@@ -430,7 +430,8 @@ def test_ctrl_c_and_the_run_folder(demo_fat5, data, tmp_path, capsys):
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
-        while not (out / "checkpoint-2").is_dir() and process.poll() is None and time.monotonic() < deadline:
+        while not (out / "checkpoint-2" / "fat5_run.json").is_file() and process.poll() is None \
+                and time.monotonic() < deadline:  # checkpoint-2 complete (marked)
             time.sleep(0.2)
         assert process.poll() is None, process.stderr.read()[-3000:]
         # Even a run that would resume it may not write into a folder in use.

@@ -45,6 +45,7 @@ from fat5.training.run_folder import (
     RunFolderArguments,
     RunFolderTrainerMixin,
     RunInput,
+    progress_bars_closed,
     training_settings,
 )
 
@@ -305,20 +306,6 @@ def one_line_worker_errors():
                            f"the traceback)") from None
 
 
-@contextmanager
-def progress_bars_closed_on_interrupt(trainer):
-    """Left open, the Trainer's progress bar is drawn again as Python exits, below the `interrupted:` line."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        for callback in trainer.callback_handler.callbacks:
-            for bar in (getattr(callback, "training_bar", None), getattr(callback, "prediction_bar", None)):
-                if bar is not None:
-                    bar.leave = False
-                    bar.close()
-        raise
-
-
 def save(trainer, tokenizer, model_args, training_args):
     """The model (or LoRA adapter) and tokenizer in --output_dir; with --merge_lora also the merged model in
     OUTPUT_DIR/merged."""
@@ -455,7 +442,7 @@ def train_evaluate_predict(recipe, model_args, data_args, training_args, classes
         model=model, args=training_args, train_dataset=encoded.get("train"), eval_dataset=encoded.get("validation"),
         processing_class=tokenizer, data_collator=collator,
         compute_metrics=text_metrics(tokenizer, classes, recipe.score) if scores else None)
-    with one_line_worker_errors(), progress_bars_closed_on_interrupt(trainer):
+    with one_line_worker_errors(), progress_bars_closed(trainer):
         if training_args.do_train:
             train(trainer, tokenizer, model_args, training_args, run_folder)
         if training_args.do_eval:

@@ -30,7 +30,7 @@ from .models import (
 from .optim import AdamWScale
 from .packing import PackedSeq2SeqCollator
 from .pretrain_flags import DEFAULTS, PROG, USAGE, PretrainArguments, defaults_line
-from .run_folder import TRAINING_SETTINGS, RunFolder, RunInput, read_record, training_settings
+from .run_folder import TRAINING_SETTINGS, RunFolder, RunInput, progress_bars_closed, read_record, training_settings
 from .trainer import PretrainTrainer, shard_examples
 
 # What to do with a checkpoint whose optimizer, scheduler or RNG state is a pickle of more than tensors.
@@ -310,7 +310,8 @@ def train(args, training_args, tokenizer, dataset, run_folder):
         disable_progress_bar()  # transformers' own bars too (writing checkpoint shards)
     state = run_folder.resume_state()
     # Trainer loads a checkpoint's optimizer, scheduler and RNG states with torch.load(weights_only=True).
-    with worker_errors_as_one_line(), pickles_refused(f"--resume_from_checkpoint {resume}", RESUME_ADVICE):
+    with worker_errors_as_one_line(), progress_bars_closed(trainer), \
+            pickles_refused(f"--resume_from_checkpoint {resume}", RESUME_ADVICE):
         if state and state["global_step"] >= training_args.max_steps:
             # Killed after its last checkpoint, before its final save: nothing left to train (Trainer would take
             # one step past --max_steps).

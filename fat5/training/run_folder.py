@@ -622,18 +622,36 @@ class CheckpointMarks(TrainerCallback):
 
     @contextmanager
     def failed_save_reported(self):
-        """A checkpoint that cannot be written (a full disk) ends the run with one WriteFailed line naming it (the
-        command adds what the folder holds); what Trainer wrote of it is removed, freeing its room."""
+        """A save cut short (an error, Ctrl-C) leaves nothing: what Trainer wrote of the checkpoint is removed,
+        freeing its room; one that cannot be written (a full disk) ends the run with one WriteFailed line naming it
+        (the command adds what the folder holds)."""
         try:
             yield
-        except Exception as error:
-            reason = write_failure(error, self.trainer.args.output_dir) if self.saving else None
-            if reason is None:
+        except BaseException as error:
+            if not self.saving:
                 raise
             partial = self.run_dir(self.trainer.args) / self.saving
             if self.trainer.args.should_save and partial.is_dir() and read_record(partial) is None:
-                _remove_folder(partial)
+                _remove_folder(partial)  # a save cut short (a full disk, Ctrl-C) leaves nothing
+            reason = write_failure(error, self.trainer.args.output_dir) if isinstance(error, Exception) else None
+            if reason is None:
+                raise
             raise WriteFailed(f"writing {self.saving} failed ({reason})") from error
+
+
+@contextmanager
+def progress_bars_closed(trainer):
+    """A run that stops (an error, Ctrl-C) closes the Trainer's progress bars first: left open, a bar is drawn again
+    as Python exits, and the command's one `error:` or `interrupted:` line would land on the bar's line."""
+    try:
+        yield
+    except BaseException:
+        for callback in trainer.callback_handler.callbacks:
+            for bar in (getattr(callback, "training_bar", None), getattr(callback, "prediction_bar", None)):
+                if bar is not None:
+                    bar.leave = False
+                    bar.close()
+        raise
 
 
 class _CheckpointLoaded(Exception):
@@ -646,4 +664,4 @@ class _StopBeforeTheFirstStep(TrainerCallback):
 
 
 __all__ = ["RunFolderArguments", "RunFolder", "RunInput", "RunFolderTrainerMixin", "CheckpointMarks",
-           "complete_checkpoints", "training_settings", "read_record"]
+           "complete_checkpoints", "progress_bars_closed", "training_settings", "read_record"]

@@ -2,7 +2,8 @@
 `HfArgumentParser`: the command's own dataclasses and, for the Trainer commands, `TrainingArguments`.
 
 `--help` lists the command's own flags: HfArgumentParser over those dataclasses, which imports transformers' argument
-parser but not torch (about a second); `--help-all` adds the Trainer's. Any other command line is parsed once, by
+parser but not torch under transformers 5 (about a second; 4.57's `import transformers` imports torch); `--help-all`
+adds the Trainer's. Any other command line is parsed once, by
 HfArgumentParser over every flag, once the command has imported transformers' TrainingArguments (and torch: several
 seconds). `check_trainer_values` then refuses, in one line each, the values Trainer would accept and then fail on
 deep in the run or train on silently (a NaN learning rate, no accumulation steps, a batch of 0, ...), before any

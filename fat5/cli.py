@@ -6,6 +6,8 @@
   answers): one line `error: ...`, exit status 1 (`EXIT_CHECK_FAILED`).
 - Output that cannot be written (`WriteFailed`: a full disk during a checkpoint or an export): one line
   `error: writing ... failed (...); <what the output folder holds>`, exit status 2.
+- Training that met a non-finite gradient, loss or weight (`TrainingDiverged`): one line `error: training stopped
+  at step N: ...; <what the output folder holds>`, exit status 1, nothing from that step on saved.
 - Ctrl-C at any moment, imports included: one line `interrupted: <what the output folder holds>` on stderr,
   exit status 130 (`EXIT_INTERRUPTED`). SIGTERM (`kill`, a job scheduler, a container stopping) is handled the
   same way, with `terminated: ...` and exit status 143 (`EXIT_TERMINATED`).
@@ -15,7 +17,7 @@
 
 Only the standard library is imported here (and `fat5/__init__.py` imports nothing until a model class is asked
 for), so an entry point catches Ctrl-C while torch and transformers are still being imported, and answers --help
-and bad flags without them. Nothing in a checkpoint folder needs this module: it is never exported.
+without torch. Nothing in a checkpoint folder needs this module: it is never exported.
 """
 
 import argparse
@@ -41,6 +43,8 @@ STOPPED_BY = {signal.SIGINT: ("interrupted", EXIT_INTERRUPTED), signal.SIGTERM: 
 class CommandError(Exception):
     """Bad input or an impossible request: printed as one `error:` line, exit status 2."""
 
+    says_what_the_output_holds = False  # `run` ends the line with what the output folder holds
+
 
 class CheckFailed(CommandError):
     """The command checked its own result and found it wrong: one `error:` line, exit status 1."""
@@ -49,6 +53,15 @@ class CheckFailed(CommandError):
 class WriteFailed(CommandError):
     """Writing the command's output failed (a full disk, a quota, a lost mount): one `error:` line that goes on to
     say what the output folder holds, exit status 2."""
+
+    says_what_the_output_holds = True
+
+
+class TrainingDiverged(CheckFailed):
+    """Training met a non-finite gradient, loss or weight and stopped before saving it: one `error:` line that goes
+    on to say what the output folder holds, exit status 1."""
+
+    says_what_the_output_holds = True
 
 
 # The extras of pyproject.toml a command may need, with the import names of the libraries each installs (a test holds
@@ -243,7 +256,7 @@ def run(command, argv=None, extra=None):
         if not isinstance(error, (CommandError, OSError)):
             raise
         line = error_line(error)
-        if isinstance(error, WriteFailed):
+        if getattr(error, "says_what_the_output_holds", False):
             line = f"{line}; {progress.describe()}"
         print(f"error: {line}", file=sys.stderr)
         return EXIT_CHECK_FAILED if isinstance(error, CheckFailed) else EXIT_BAD_INPUT

@@ -6,8 +6,7 @@ minute. For every T5 family, a checkpoint written by the installed transformers 
 parity proof) into a FAT5 folder that, loaded as Hub users load it (`trust_remote_code`), computes transformers'
 logits and loss and generates transformers' tokens with every decoding mode and cache; the cache goes in and out
 under the installed transformers' name; the demo folder answers its prompts in a fresh process that cannot import
-this repository, and nothing FAT5 runs logs a warning there; the Trainer commands read the Trainer's flags from
-transformers' source as HfArgumentParser makes them.
+this repository, and nothing FAT5 runs logs a warning there.
 """
 
 import importlib.metadata
@@ -19,13 +18,6 @@ import pytest
 import torch
 import transformers
 from packaging.requirements import Requirement
-
-# Collected here too: the Trainer commands read transformers' Trainer flags from its source before it loads, so
-# each release must give them the names and types HfArgumentParser gives them (fat5/training/flags.py).
-from test_trainer_flags import (  # noqa: F401
-    test_trainer_flags_read_from_source_are_the_ones_hf_argument_parser_makes,
-    test_trainer_flags_typed_from_source_have_hf_argument_parsers_types,
-)
 from transformers import AutoModelForSeq2SeqLM
 
 from convert.checkpoint import convert_checkpoint

@@ -171,12 +171,16 @@ def sdpa_attention_forward(query, key, value, *, segments=None, output_attention
 def triton_attention_forward(query, key, value, *, segments=None, output_attentions=False, position_bias=None,
                              **kwargs):
     """The Triton kernel, attention dropout included; `select_attention_backend` never picks it with a dense bias.
-    The dropout seed is drawn from torch's generator for the device on each call (see `draw_dropout_seed`)."""
+    The dropout seed is drawn from torch's generator for the device on each call (see `draw_dropout_seed`).
+    A decode step (`is_decode_step`) runs the decode kernel instead."""
     # Imported lazily: the kernel needs triton, which CPU-only installs lack.
     from .kernels.flash_attention_t5 import flash_attention_t5, flash_attention_t5_varlen
 
+    if segments is None and is_decode_step(query, key, value, kwargs):
+        return decode_attention_forward(query, key, value, **kwargs), None
     if isinstance(kwargs["q_offset"], torch.Tensor):
-        kwargs["q_offset"] = int(kwargs["q_offset"])  # a static cache's counter; the kernel takes a scalar
+        # A static cache's counter in a prefill (more than DECODE_MAX_QUERIES rows): the kernel takes a scalar.
+        kwargs["q_offset"] = int(kwargs["q_offset"])
     if segments is None:
         return flash_attention_t5(query, key, value, **kwargs), None
     # Packed rows: drop padding, run each segment as one varlen sequence, put the rows back (padding rows = 0).
@@ -193,6 +197,24 @@ def triton_attention_forward(query, key, value, *, segments=None, output_attenti
         layout["cu_seqlens_q"], layout["cu_seqlens_k"], layout["max_seqlen_q"], layout["max_seqlen_k"], **kwargs)
     padded = output.new_zeros(batch * query_length, heads, head_dim).index_copy(0, layout["query_index"], output)
     return padded.view(batch, query_length, heads, head_dim).transpose(1, 2), None
+
+
+def is_decode_step(query, key, value, kwargs):
+    """Whether the decode kernel computes this Triton call: a few query rows (generation's self- and
+    cross-attention steps), no gradient to compute and no attention dropout."""
+    from .kernels.decode_attention_t5 import DECODE_MAX_QUERIES
+
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, kwargs.get("bias_table")))
+    return query.shape[-2] <= DECODE_MAX_QUERIES and not needs_grad and not kwargs.get("dropout_p")
+
+
+def decode_attention_forward(query, key, value, *, dropout_p=0.0, **kwargs):
+    """One decode step on the decode kernel (split over the cached keys); a static cache's offset stays a device
+    tensor, read by the kernel: no host synchronisation."""
+    from .kernels.decode_attention_t5 import decode_attention_t5
+
+    return decode_attention_t5(query, key, value, **kwargs)
 
 
 # Every function takes q, k, v and the keyword arguments of the contract above (plus `segments`, the packed

@@ -170,3 +170,76 @@ def test_a_static_cross_attention_cache_longer_than_the_encoder_input_gives_t5s_
                                     StaticCache(model.config, max_cache_len=encoder_length - 1))
     with pytest.raises(ValueError, match="fewer than the 9 encoder tokens"):
         generate(model, **{CACHE_NAME: too_short})
+
+
+def kernel_model(kernel_device, **overrides):
+    """A confident model whose heads the Triton kernels take (d_kv 32)."""
+    return confident_model(1, 1, d_kv=32, num_heads=2, **overrides).to(kernel_device)
+
+
+def decode_kernel_calls(monkeypatch):
+    """A list that grows by one for every call of the decode kernel's op."""
+    from fat5.kernels import decode_attention_t5
+
+    calls, original = [], decode_attention_t5._decode_attention
+    monkeypatch.setattr(decode_attention_t5, "_decode_attention",
+                        lambda *args: (calls.append(args[0].shape), original(*args))[1])
+    return calls
+
+
+@pytest.mark.parametrize("position, search, cache", [
+    ("t5", dict(), dict()), ("t5", dict(), dict(cache_implementation="static")), ("t5", dict(), dict(use_cache=False)),
+    ("t5", dict(num_beams=3), dict()), ("t5", dict(num_beams=3), dict(cache_implementation="static")),
+    ("alibi", dict(), dict(cache_implementation="static")), ("none", dict(num_beams=3), dict()),
+    # Offloaded caches need CUDA (transformers moves each layer to and from the GPU).
+    pytest.param("t5", dict(), dict(cache_implementation="offloaded"), marks=pytest.mark.gpu),
+    pytest.param("t5", dict(), dict(cache_implementation="offloaded_static"), marks=pytest.mark.gpu),
+], ids=["t5-dynamic", "t5-static", "t5-no-cache", "t5-beam-dynamic", "t5-beam-static", "alibi-static",
+        "none-beam-dynamic", "t5-offloaded", "t5-offloaded-static"])
+def test_the_decode_kernel_generates_the_eager_tokens(kernel_device, monkeypatch, position, search, cache):
+    """generate() on the Triton backend runs every decode step (self- and cross-attention) on the decode kernel and
+    gives the tokens of the eager reference, with every cache kind and beam search."""
+    model = kernel_model(kernel_device, position_encoding_type=position)
+    inputs = dict(**padded_inputs(kernel_device), max_new_tokens=4, min_new_tokens=4, **search, **cache)
+    model.config.attention_backend = "eager"
+    expected = model.generate(**inputs)
+    calls = decode_kernel_calls(monkeypatch)
+    model.config.attention_backend = "triton"
+    assert torch.equal(model.generate(**inputs), expected)
+    assert len(calls) >= 2 * 4, len(calls)  # self- and cross-attention of every step
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_a_static_cache_decode_step_compiles_into_two_graphs_for_any_number_of_tokens(kernel_device, backend):
+    """transformers compiles the decode step (one token, static cache) with fullgraph=True: it traces into two
+    graphs (the first step computes the cross-attention keys, the later ones reuse them) however many tokens are
+    generated, and gives the eager tokens. On the Triton backend the decode kernel reads the cache's position as a
+    tensor: no graph reads a tensor back to the host (what a CUDA graph could not capture)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = kernel_model(kernel_device)
+    model.config.attention_backend = backend
+    original = model.forward
+    for new_tokens in (4, 8):
+        inputs = dict(**padded_inputs(kernel_device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                      cache_implementation="static")
+        eager_tokens = model.generate(**inputs)
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("eager")
+        compiled = torch.compile(original, backend=counter, fullgraph=True, dynamic=False)
+
+        def forward(*args, _compiled=compiled, **kwargs):
+            if kwargs["decoder_input_ids"].shape[1] == 1 and kwargs.get("encoder_outputs") is not None:
+                return _compiled(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        model.forward = forward
+        try:
+            assert torch.equal(model.generate(**inputs), eager_tokens), new_tokens
+        finally:
+            model.forward = original
+        assert counter.frame_count == 2, (new_tokens, counter.frame_count)
+        graphs = [node for graph in counter.graphs for node in graph.graph.nodes]
+        assert not [node for node in graphs if node.target in ("item", "tolist", torch.ops.aten._local_scalar_dense)]
+        if backend == "triton":
+            assert any(node.target == torch.ops.fat5.decode_attention.default for node in graphs)

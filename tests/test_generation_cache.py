@@ -243,3 +243,26 @@ def test_a_static_cache_decode_step_compiles_into_two_graphs_for_any_number_of_t
         assert not [node for node in graphs if node.target in ("item", "tolist", torch.ops.aten._local_scalar_dense)]
         if backend == "triton":
             assert any(node.target == torch.ops.fat5.decode_attention.default for node in graphs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_static_cache_decode_step_is_captured_in_a_cuda_graph(kernel_device):
+    """generate() with a static cache and the forward compiled in "reduce-overhead" mode replays every decode step
+    from a CUDA graph (nothing in the step reads the device back: Inductor skips no graph) and gives the eager
+    tokens."""
+    from torch._dynamo.utils import counters
+
+    model = kernel_model(kernel_device)
+    model.config.attention_backend = "triton"
+    inputs = dict(**padded_inputs(kernel_device), max_new_tokens=8, min_new_tokens=8, cache_implementation="static")
+    eager_tokens = model.generate(**inputs)
+    torch._dynamo.reset()
+    counters.clear()
+    original = model.forward
+    model.forward = torch.compile(original, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    try:
+        assert torch.equal(model.generate(**inputs, disable_compile=True), eager_tokens)
+    finally:
+        model.forward = original
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])

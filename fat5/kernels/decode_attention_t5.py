@@ -45,12 +45,15 @@ PROGRAMS_PER_SM = 2
 INTERPRETER_SMS = 4
 
 
-def _blocks(head_dim, device):
-    """(BLOCK_N, num_warps, num_stages): 16-key tiles in the CPU interpreter; on GPU 64-key tiles whose K and V
-    loads are pipelined (benchmarks/decode_grid.py reads the build)."""
+def _blocks(head_dim, dtype, device):
+    """(BLOCK_N, num_warps, num_stages): 16-key tiles in the CPU interpreter; on GPU the tiles whose sm_90a builds
+    have no spills and the fewest registers (benchmarks/decode_grid.py: 64 x 64 tiles on 4 warps spilled in half
+    precision at d = 64, 64-key tiles took 200-250 registers at d = 128, fp32 spilled with 3 stages)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return 16, 1, 1
-    return (64, 4, 3) if head_dim <= 64 else (64, 4, 2)
+    if dtype == torch.float32:
+        return (64, 4, 2) if head_dim <= 64 else (32, 4, 1)
+    return (64, 8, 3) if head_dim <= 64 else (32, 4, 3)
 
 
 @functools.cache
@@ -205,7 +208,7 @@ def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     elif alibi_slopes is not None:
         bias_type = BIAS_ALIBI
     lut = bias_lut if bias_lut is not None else placeholder
-    block_n, warps, stages = _blocks(head_dim, query.device)
+    block_n, warps, stages = _blocks(head_dim, query.dtype, query.device)
     grid, chunk = decode_grid(batch, heads, seqlen_k, block_n, _sm_count(query.device), num_splits or None)
     split = grid[1] > 1
     part_shape = (batch * heads, grid[1], seqlen_q) if split else (1,)

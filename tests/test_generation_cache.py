@@ -266,3 +266,40 @@ def test_a_static_cache_decode_step_is_captured_in_a_cuda_graph(kernel_device):
     finally:
         model.forward = original
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+def test_the_layers_of_one_forward_share_their_sdpa_masks(monkeypatch):
+    """Without a gradient the SDPA path builds each dense mask once per forward (the T5 bias with the padding, the
+    cross-attention's key mask) and every layer reuses it, as transformers' T5 layers share their position_bias;
+    with a gradient each layer builds its own T5 bias (the table's gradient flows through every layer's)."""
+    from fat5 import attention_fat5
+
+    model = confident_model(3, 3)
+    model.config.attention_backend = "sdpa"
+    builds, original = [], attention_fat5._sdpa_mask
+    monkeypatch.setattr(attention_fat5, "_sdpa_mask", lambda *args: (builds.append(1), original(*args))[1])
+    inputs = dict(**padded_inputs(), decoder_input_ids=torch.randint(2, VOCAB, (3, 4)),
+                  decoder_attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]]))
+    with torch.no_grad():
+        shared = model(**inputs).logits
+    assert len(builds) == 3  # encoder self-attention, decoder self-attention, cross-attention
+    builds.clear()
+    model(**inputs)
+    assert len(builds) == 3 + 3 + 1  # the cross-attention's mask carries no gradient: still shared
+    monkeypatch.setattr(attention_fat5, "_shared_sdpa_mask", lambda query, *args: original(query, *args))
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, shared)  # what every layer building its own masks gives
+
+
+def test_a_shared_sdpa_mask_follows_its_key_mask_changed_in_place():
+    from fat5.attention_fat5 import sdpa_attention
+    from fat5.reference_fat5 import eager_attention
+
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, 2, length, 8, generator=generator) for length in (1, 6, 6))
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    with torch.no_grad():
+        for _ in range(2):
+            mask[1, 2:] = not mask[1, 2]  # the same tensor, padded then not
+            expected = eager_attention(query, key, value, key_padding_mask=mask)
+            assert torch.allclose(sdpa_attention(query, key, value, key_padding_mask=mask), expected, atol=1e-6)

@@ -234,6 +234,10 @@ def build_parser():
     parser.add_argument("--reps", type=common.positive_int, default=3, help="timed generate calls (the median is "
                                                                             "kept)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed generate calls before timing")
+    parser.add_argument("--rounds", type=common.positive_int, default=1,
+                        help="times the whole comparison runs, every other round in reverse order (FAT5 last); "
+                             "each row keeps its median round, so that a shared machine's changing load does not "
+                             "favour whichever implementation ran when it was lightest")
     common.add_allow_cpu_argument(parser)
     common.add_output_arguments(parser)
     return parser
@@ -266,11 +270,14 @@ def parse_args():
     return args
 
 
-def main():
-    args = parse_args()
-    reference, batch, expected = common.reference_and_check(args.shape)
-    rows, fat5_tokens = [], {}
-    for name in [name for name in args.impl if name not in CT2]:
+def sweep(reference, batch, expected, args, fat5_tokens, reverse=False):
+    """Rows of every implementation (fat5 first, or last when `reverse`: its tokens are then known already)."""
+    steps = [name for name in args.impl if name not in CT2] + (["ct2"] if any(n in CT2 for n in args.impl) else [])
+    rows = []
+    for name in reversed(steps) if reverse else steps:
+        if name == "ct2":
+            rows += ct2_rows([name for name in args.impl if name in CT2], reference, args, fat5_tokens)
+            continue
         model, status = common.checked_model(name, reference, batch, expected)
         if status is None:
             rows += generate_rows(name, model, args, fat5_tokens)
@@ -281,11 +288,34 @@ def main():
                      for cache in args.caches for size in args.batches]
         del model
         common.release_memory()
-    if any(name in CT2 for name in args.impl):
-        rows += ct2_rows([name for name in args.impl if name in CT2], reference, args, fat5_tokens)
+    return rows
+
+
+def median_round(rounds):
+    """Each row's median round by time (rows that did not run: the first round's), with every round's ms."""
+    rows = []
+    for first in rounds[0]:
+        key = (first["implementation"], first["cache"], first["batch"])
+        same = [row for sweep_rows in rounds for row in sweep_rows
+                if (row["implementation"], row["cache"], row["batch"]) == key]
+        ran = sorted((row for row in same if timed(row)), key=lambda row: row["ms"])
+        rows.append(dict(ran[len(ran) // 2] if ran else first, rounds_ms=[row["ms"] for row in same]))
+    return rows
+
+
+def main():
+    args = parse_args()
+    reference, batch, expected = common.reference_and_check(args.shape)
+    fat5_tokens = {}
+    rounds = []
+    for number in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {number + 1} of {args.rounds}", flush=True)
+        rounds.append(sweep(reference, batch, expected, args, fat5_tokens, reverse=number % 2 == 1))
+    rows = median_round(rounds)
     table = markdown(rows, args)
     settings = dict(shape=args.shape, dtype=args.dtype, encoder_length=args.encoder_length,
-                    new_tokens=args.new_tokens, reps=args.reps, warmup=args.warmup)
+                    new_tokens=args.new_tokens, reps=args.reps, warmup=args.warmup, rounds=args.rounds)
     common.report("generate", rows, table, settings, args, plot)
     mismatches = [row for row in rows if row["status"].startswith("mismatch")]
     if mismatches:

@@ -156,7 +156,8 @@ _SDPA_MASKS = WeakTensorKeyDictionary()
 def _shared_sdpa_mask(query, query_length, key_length, options):
     """`_sdpa_mask`, built once per (owner, arguments) where that is exact: outside autograd and compilation, never
     keyed by a weight (which lives on), without a dense bias or segments. Tensors are matched by identity and
-    version (an in-place change misses), each kept alive by its entry so that its id is not reused meanwhile."""
+    version (an in-place change misses), each but the owner kept alive by its entry so that its id is not reused
+    meanwhile (holding the owner would keep the entry forever)."""
     owner = options["bias_table"] if options["bias_table"] is not None else options["alibi_slopes"]
     if owner is None and not options["causal"]:
         owner = options["key_padding_mask"]
@@ -164,7 +165,7 @@ def _shared_sdpa_mask(query, query_length, key_length, options):
             or options["query_segment_ids"] is not None or torch.compiler.is_compiling() \
             or (torch.is_grad_enabled() and owner.requires_grad):
         return _sdpa_mask(query, query_length, key_length, options)
-    tensors = [value for value in options.values() if torch.is_tensor(value)]
+    tensors = [value for value in options.values() if torch.is_tensor(value) and value is not owner]
     key = (query_length, key_length, query.dtype, query.device,
            *((id(value), value._version) if torch.is_tensor(value) else value for value in options.values()))
     entries = _SDPA_MASKS.get(owner)

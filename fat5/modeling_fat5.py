@@ -59,6 +59,7 @@ from .remote_code_fat5 import mark_as_package, save_as_package
 if TYPE_CHECKING:
     # Never run: only the seam imports the attention kernel. Loading a checkpoint *folder*, transformers 4.x copies
     # only the files this entry module imports relatively (not what those import), so it must read the kernel here.
+    from .kernels.decode_attention_t5 import decode_attention_t5  # noqa: F401
     from .kernels.flash_attention_t5 import flash_attention_t5  # noqa: F401
 
 register_fat5_with_peft(FAT5Config.model_type)

@@ -796,7 +796,10 @@ class SharedEmbeddingAlias(nn.Embedding):
         self.point_to(shared)
 
     def point_to(self, shared):
-        self.weight = shared.weight
+        # Into the module's parameters directly, not through `register_parameter`: a context that builds models
+        # empty (accelerate's `init_empty_weights`) replaces every registered Parameter with a copy of its own,
+        # which would untie the alias from `shared`.
+        self._parameters["weight"] = shared.weight
         # A plain attribute, not a submodule: the embedding appears once in the module tree under `shared`.
         object.__setattr__(self, "shared", shared)
 

@@ -527,7 +527,15 @@ class FAT5PreTrainedModel(PicklesWithItsCode, PreTrainedModel):
 
     def tie_weights(self, *args, **kwargs):
         """transformers' tying (the LM head when config.tie_word_embeddings), then the stacks' embeddings, which
-        are `shared` whatever the config says (transformers 4.57 ties by Parameter identity after a load)."""
+        are `shared` whatever the config says (transformers 4.57 ties by Parameter identity after a load).
+
+        A tied head loaded from a checkpoint without `shared.weight` gives the embedding its weight, as transformers
+        5 ties to the side that was loaded (4.57 would tie the loaded head to the embedding left on the meta
+        device, T5's as well)."""
+        shared, head = getattr(self, "shared", None), self.get_output_embeddings()
+        if (getattr(self.config, "tie_word_embeddings", False) and isinstance(shared, nn.Embedding)
+                and head is not None and shared.weight.is_meta and not head.weight.is_meta):
+            shared.weight = head.weight
         super().tie_weights(*args, **kwargs)
         _tie_stack_embeddings(self)
 
@@ -540,6 +548,17 @@ class FAT5PreTrainedModel(PicklesWithItsCode, PreTrainedModel):
             tied.update({name: "shared.weight" for name in _stack_embedding_names(self)
                          if name in (self._tied_weights_keys or {})})
         return tied
+
+    def mark_tied_weights_as_initialized(self, loading_info):
+        """transformers 5, loading a checkpoint, flags every tied name's Parameter as loaded (it will be tied to its
+        source) and, for a class outside transformers, stops reporting as missing any Parameter so flagged. Here a
+        tied name holds its source's own Parameter (the stacks' embeddings always, a tied head once tied), so the
+        flag reached the source too: a checkpoint without `shared.weight` loaded with nothing reported missing and
+        the embedding left on the meta device. A source the checkpoint lacks stays missing, as for T5, so it is
+        created, initialised and reported (and tied to a tied name the checkpoint holds, if any)."""
+        missing = set(loading_info.missing_keys)
+        super().mark_tied_weights_as_initialized(loading_info)
+        loading_info.missing_keys |= missing & set(self.all_tied_weights_keys.values())
 
     def _output(self, output, return_dict):
         """return_dict=False (or config.return_dict=False) gives the tuple of the fields that are set, as

@@ -680,7 +680,7 @@ class FAT5Stack(FAT5PreTrainedModel):
         or `past_key_values` (`compat_fat5.either_cache`). `cache_position`, which transformers 4.x's generate
         passes, is not needed: positions are counted from the cache."""
         check_keywords(self, kwargs)
-        cache = either_cache(cache, past_key_values)
+        cache = either_cache(cache, past_key_values, self)
         config = self.config
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
@@ -904,7 +904,7 @@ class FAT5Model(FAT5EncoderDecoderMixin, FAT5PreTrainedModel):
         check_keywords(self, kwargs)
         encoder_outputs, decoder_outputs = self._encode_and_decode(
             input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
-            either_cache(cache, past_key_values), inputs_embeds, decoder_inputs_embeds, use_cache,
+            either_cache(cache, past_key_values, self), inputs_embeds, decoder_inputs_embeds, use_cache,
             output_hidden_states, output_attentions=output_attentions,
             segment_ids=segment_ids, decoder_segment_ids=decoder_segment_ids)
         return self._output(Seq2SeqModelOutput(
@@ -954,7 +954,7 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
             decoder_input_ids = self._shift_right(labels, decoder_segment_ids)
         encoder_outputs, decoder_outputs = self._encode_and_decode(
             input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
-            either_cache(cache, past_key_values), inputs_embeds, decoder_inputs_embeds, use_cache,
+            either_cache(cache, past_key_values, self), inputs_embeds, decoder_inputs_embeds, use_cache,
             output_hidden_states, output_attentions=output_attentions, segment_ids=segment_ids,
             decoder_segment_ids=decoder_segment_ids)
         sequence_output = decoder_outputs.last_hidden_state

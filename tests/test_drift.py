@@ -10,10 +10,12 @@ this repository, and nothing FAT5 runs logs a warning there; the Trainer command
 transformers' source as HfArgumentParser makes them.
 """
 
+import functools
 import importlib.metadata
 import inspect
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -148,9 +150,19 @@ def test_assisted_and_prompt_lookup_generation_give_the_greedy_tokens(confident,
     assert torch.equal(model.generate(**single, **options, prompt_lookup_num_tokens=3), expected)
 
 
+def deprecation_warnings(call):
+    """(what `call` returns, whether it warned that `past_key_values` is deprecated)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = call()
+    return result, any(issubclass(warning.category, FutureWarning)
+                       and "`past_key_values` is deprecated" in str(warning.message) for warning in caught)
+
+
 def test_the_cache_goes_in_and_out_under_the_installed_name(converted):
     """transformers 5.24 renamed `past_key_values` to `cache`: FAT5's outputs use the installed name, and its
-    forwards take the cache by either name on every release (`cache` in the position of T5's cache argument)."""
+    forwards take the cache by either name on every release (`cache` in the position of T5's cache argument),
+    the old name with T5's FutureWarning where T5's forward gives one."""
     reference, model = converted["flan-t5"]
     for forward in (model.forward, model.get_decoder().forward):
         parameters = list(inspect.signature(forward).parameters)
@@ -159,16 +171,23 @@ def test_the_cache_goes_in_and_out_under_the_installed_name(converted):
     inputs = encoder_inputs(reference.config.vocab_size)
     decoder_input_ids = torch.tensor([[0, 5, 7, 9]] * 3)
     with torch.no_grad():
+        t5_cache = compat_fat5.output_cache(reference(**inputs, decoder_input_ids=decoder_input_ids[:, :2]))
+        _, t5_warns = deprecation_warnings(lambda: reference(**inputs, decoder_input_ids=decoder_input_ids[:, 2:],
+                                                             past_key_values=t5_cache))
         whole = model(**inputs, decoder_input_ids=decoder_input_ids).logits
         first = model(**inputs, decoder_input_ids=decoder_input_ids[:, :2], use_cache=True)
         assert CACHE_NAME in first.keys()
         for name in ("cache", "past_key_values"):
             cache = compat_fat5.output_cache(model(**inputs, decoder_input_ids=decoder_input_ids[:, :2]))
-            step = model(**inputs, decoder_input_ids=decoder_input_ids[:, 2:], **{name: cache})
+            step, warned = deprecation_warnings(
+                functools.partial(model, **inputs, decoder_input_ids=decoder_input_ids[:, 2:], **{name: cache}))
             assert torch.allclose(step.logits, whole[:, 2:], rtol=0, atol=LOGITS_RTOL * whole.abs().max()), name
-        cache = compat_fat5.output_cache(first)
-        with pytest.raises(ValueError, match="passed twice"):
-            model(**inputs, decoder_input_ids=decoder_input_ids[:, 2:], cache=cache, past_key_values=cache)
+            assert warned == (name == "past_key_values" and t5_warns), name
+        # Both names: the one named `cache`, as T5's forward takes it (tests/test_transformers_model_checks.py).
+        stale = compat_fat5.output_cache(model(**inputs, decoder_input_ids=decoder_input_ids[:, :1]))
+        step, _ = deprecation_warnings(lambda: model(**inputs, decoder_input_ids=decoder_input_ids[:, 2:],
+                                                     cache=compat_fat5.output_cache(first), past_key_values=stale))
+        assert torch.allclose(step.logits, whole[:, 2:], rtol=0, atol=LOGITS_RTOL * whole.abs().max())
 
 
 # A Hub user's process: the demo folder loaded with trust_remote_code, generating in every mode and through the

@@ -2,13 +2,17 @@
 on every FAT5 class in our own words. Where T5 answers the same question, T5 built from the same config is the spec;
 docs/using.md ("How FAT5 differs from transformers' T5") says where FAT5 differs on purpose."""
 
+import copy
+import functools
 import inspect
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import T5Config, T5ForConditionalGeneration, T5ForTokenClassification, Trainer, TrainingArguments
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 import fat5
 from fat5 import FAT5Config, FAT5ForConditionalGeneration
@@ -434,6 +438,59 @@ def test_a_frozen_model_with_input_gradients_trains_an_adapter_through_checkpoin
 # transformers 5.23's T5 cannot generate when its decoder is deeper than its encoder (FAT5 can; see
 # test_generation_cache.py), so generation compared with T5 uses equal depths.
 EQUAL_DEPTHS = {"num_decoder_layers": SHAPES["num_layers"]}
+
+
+def deprecation_warnings(call):
+    """(what `call` returns, the FutureWarnings it raised about `past_key_values`)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = call()
+    return result, [str(warning.message) for warning in caught
+                    if issubclass(warning.category, FutureWarning) and "`past_key_values` is deprecated" in
+                    str(warning.message)]
+
+
+@pytest.mark.parametrize("model_class", [fat5.FAT5Model, FAT5ForConditionalGeneration], **by_name)
+def test_the_cache_passed_as_past_key_values_warns_where_t5s_forward_warns(model_class):
+    """transformers' `test_bc_cache_name_forward` (5.24): the cache passed under its old name, `past_key_values`,
+    gives the cache it gives as `cache`, with a FutureWarning exactly where the installed T5's forward gives one
+    (transformers 5.24 renamed it; 5.40 removes the old name)."""
+    empty = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    inputs = {**inputs_for(model_class), "use_cache": True}
+    warned, outputs = {}, {}
+    for built_class in (T5_OF[model_class], model_class):
+        model = build(built_class)
+        outputs[built_class], warned[built_class] = deprecation_warnings(
+            functools.partial(model, **inputs, past_key_values=copy.deepcopy(empty)))
+        assert output_cache(outputs[built_class]).get_seq_length() == inputs["decoder_input_ids"].shape[1]
+    assert bool(warned[model_class]) == bool(warned[T5_OF[model_class]])
+    assert all(f"`{model_class.__name__}.forward`" in message for message in warned[model_class])
+    old = outputs[model_class]
+    new, none = deprecation_warnings(lambda: model(**inputs, cache=copy.deepcopy(empty)))
+    assert not none and output_cache(new).get_seq_length() == output_cache(old).get_seq_length()
+    assert torch.equal(first_tensor(new), first_tensor(old))
+
+
+def test_a_cache_passed_under_both_names_is_the_one_named_cache_unless_it_holds_nothing():
+    """Both names given: the cache named `cache` is used, as T5's forward uses it, unless it is empty and the other
+    holds tokens (transformers 5.24's generate passes its own empty cache as `cache` beside the cache PEFT's prefix
+    tuning fills under the old name; T5 drops that one)."""
+    model = build(FAT5ForConditionalGeneration)
+    inputs = inputs_for(FAT5ForConditionalGeneration)
+    decoder_input_ids = inputs.pop("decoder_input_ids")
+    with torch.no_grad():
+        whole = model(**inputs, decoder_input_ids=decoder_input_ids).logits
+
+        def past(length):
+            return output_cache(model(**inputs, decoder_input_ids=decoder_input_ids[:, :length], use_cache=True))
+
+        def next_logits(**caches):
+            return deprecation_warnings(lambda: model(**inputs, decoder_input_ids=decoder_input_ids[:, 2:3],
+                                                      **caches).logits)[0]
+
+        assert close(next_logits(cache=past(2), past_key_values=past(1)), whole[:, 2:3])
+        assert close(next_logits(cache=EncoderDecoderCache(DynamicCache(), DynamicCache()),
+                                 past_key_values=past(2)), whole[:, 2:3])
 
 
 def test_generation_continues_from_a_returned_cache_with_the_tokens_of_one_call():

@@ -16,6 +16,7 @@ import inspect
 import json
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -298,6 +299,18 @@ def test_pyproject_admits_exactly_the_tested_releases():
         assert not compat_fat5.is_tested(version), version
     # pip takes a pre-release only when asked (--pre); FAT5 calls it untested.
     assert not compat_fat5.is_tested(f"{newest[0]}.{newest[1]}.0rc1")
+
+
+def test_pyproject_admits_torch_from_the_readmes_release_up_to_a_checked_one():
+    """pip installs FAT5 beside the torch every test runs on (the README's) up to the newest `.ci/drift-torch`
+    checks, never an older one nor one up to the next major."""
+    repo = Path(__file__).resolve().parent.parent
+    pinned = re.search(r"pip install torch==(\d+\.\d+\.\d+) &&", (repo / "README.md").read_text()).group(1)
+    major, minor, _, _ = compat_fat5.release(pinned)
+    torch = Requirement(re.search(r'^ *"(torch\b[^"]*)"', (repo / "pyproject.toml").read_text(), re.M).group(1))
+    assert torch.specifier.contains(pinned) and not torch.specifier.contains(f"{major}.{minor - 1}.0")
+    assert any(bound.operator == "<" for bound in torch.specifier)
+    assert not torch.specifier.contains(f"{major + 1}.0.0")
 
 
 def test_an_untested_transformers_is_named_once_in_one_line(caplog):

@@ -528,7 +528,15 @@ class FAT5PreTrainedModel(PicklesWithItsCode, PreTrainedModel):
 
     def tie_weights(self, *args, **kwargs):
         """transformers' tying (the LM head when config.tie_word_embeddings), then the stacks' embeddings, which
-        are `shared` whatever the config says (transformers 4.57 ties by Parameter identity after a load)."""
+        are `shared` whatever the config says (transformers 4.57 ties by Parameter identity after a load).
+
+        A tied head loaded from a checkpoint without `shared.weight` gives the embedding its weight, as transformers
+        5 ties to the side that was loaded (4.57 would tie the loaded head to the embedding left on the meta
+        device, T5's as well)."""
+        shared, head = getattr(self, "shared", None), self.get_output_embeddings()
+        if (getattr(self.config, "tie_word_embeddings", False) and isinstance(shared, nn.Embedding)
+                and head is not None and shared.weight.is_meta and not head.weight.is_meta):
+            shared.weight = head.weight
         super().tie_weights(*args, **kwargs)
         _tie_stack_embeddings(self)
 
@@ -541,6 +549,17 @@ class FAT5PreTrainedModel(PicklesWithItsCode, PreTrainedModel):
             tied.update({name: "shared.weight" for name in _stack_embedding_names(self)
                          if name in (self._tied_weights_keys or {})})
         return tied
+
+    def mark_tied_weights_as_initialized(self, loading_info):
+        """transformers 5, loading a checkpoint, flags every tied name's Parameter as loaded (it will be tied to its
+        source) and, for a class outside transformers, stops reporting as missing any Parameter so flagged. Here a
+        tied name holds its source's own Parameter (the stacks' embeddings always, a tied head once tied), so the
+        flag reached the source too: a checkpoint without `shared.weight` loaded with nothing reported missing and
+        the embedding left on the meta device. A source the checkpoint lacks stays missing, as for T5, so it is
+        created, initialised and reported (and tied to a tied name the checkpoint holds, if any)."""
+        missing = set(loading_info.missing_keys)
+        super().mark_tied_weights_as_initialized(loading_info)
+        loading_info.missing_keys |= missing & set(self.all_tied_weights_keys.values())
 
     def _output(self, output, return_dict):
         """return_dict=False (or config.return_dict=False) gives the tuple of the fields that are set, as
@@ -662,7 +681,7 @@ class FAT5Stack(FAT5PreTrainedModel):
         or `past_key_values` (`compat_fat5.either_cache`). `cache_position`, which transformers 4.x's generate
         passes, is not needed: positions are counted from the cache."""
         check_keywords(self, kwargs)
-        cache = either_cache(cache, past_key_values)
+        cache = either_cache(cache, past_key_values, self)
         config = self.config
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
@@ -797,7 +816,10 @@ class SharedEmbeddingAlias(nn.Embedding):
         self.point_to(shared)
 
     def point_to(self, shared):
-        self.weight = shared.weight
+        # Into the module's parameters directly, not through `register_parameter`: a context that builds models
+        # empty (accelerate's `init_empty_weights`) replaces every registered Parameter with a copy of its own,
+        # which would untie the alias from `shared`.
+        self._parameters["weight"] = shared.weight
         # A plain attribute, not a submodule: the embedding appears once in the module tree under `shared`.
         object.__setattr__(self, "shared", shared)
 
@@ -883,7 +905,7 @@ class FAT5Model(FAT5EncoderDecoderMixin, FAT5PreTrainedModel):
         check_keywords(self, kwargs)
         encoder_outputs, decoder_outputs = self._encode_and_decode(
             input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
-            either_cache(cache, past_key_values), inputs_embeds, decoder_inputs_embeds, use_cache,
+            either_cache(cache, past_key_values, self), inputs_embeds, decoder_inputs_embeds, use_cache,
             output_hidden_states, output_attentions=output_attentions,
             segment_ids=segment_ids, decoder_segment_ids=decoder_segment_ids)
         return self._output(Seq2SeqModelOutput(
@@ -933,7 +955,7 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
             decoder_input_ids = self._shift_right(labels, decoder_segment_ids)
         encoder_outputs, decoder_outputs = self._encode_and_decode(
             input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
-            either_cache(cache, past_key_values), inputs_embeds, decoder_inputs_embeds, use_cache,
+            either_cache(cache, past_key_values, self), inputs_embeds, decoder_inputs_embeds, use_cache,
             output_hidden_states, output_attentions=output_attentions, segment_ids=segment_ids,
             decoder_segment_ids=decoder_segment_ids)
         sequence_output = decoder_outputs.last_hidden_state

@@ -19,7 +19,7 @@ import convert.export
 import convert.safety
 from convert.checkpoint import iter_converted_tensors, plan_conversion
 from convert.flan_to_fat5 import main
-from fat5 import remote_code_fat5
+from fat5 import safe_files
 from t5_checkpoints import make_t5_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,6 +69,25 @@ def test_out_overlapping_src_is_refused(tmp_path, where, overwrite, capsys):
     assert snapshot(tmp_path / "parent") == before
 
 
+def test_a_symlinked_out_is_written_where_it_points(flan, tmp_path, capsys):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    assert run_main(capsys, [str(flan), str(tmp_path / "link"), "--no-verify"]) == 0
+    assert (tmp_path / "link").is_symlink() and (real / "config.json").is_file()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["link", "real"]
+
+
+@pytest.mark.parametrize("points_to, says", [("file", "which is a file"), ("missing", "which is nothing")])
+def test_a_symlinked_out_that_is_no_folder_is_one_true_line(flan, tmp_path, capsys, points_to, says):
+    if points_to == "file":
+        (tmp_path / "file").write_text("mine")
+    (tmp_path / "link").symlink_to(tmp_path / points_to)
+    assert run_main(capsys, [str(flan), str(tmp_path / "link"), "--no-verify"]) == 2
+    assert one_error_line(capsys) == (f"error: OUT {tmp_path / 'link'} is a symbolic link to {tmp_path / points_to}, "
+                                      f"{says}: give a folder")
+
+
 def existing_out(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -88,13 +107,13 @@ def test_interrupt_before_the_swap_keeps_the_old_folder(flan, tmp_path, capsys):
 @pytest.mark.parametrize("exchange", ["renameat2", "two renames"])
 def test_signal_during_the_swap_is_held_until_the_new_folder_is_in_place(flan, tmp_path, capsys, exchange):
     out = existing_out(tmp_path)
-    real_exchange = remote_code_fat5.exchange
+    real_exchange = safe_files.exchange
 
     def interrupted_exchange(first, second):
         os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C exactly between the steps of the swap
         return real_exchange(first, second) if exchange == "renameat2" else False
 
-    with mock.patch.object(remote_code_fat5, "exchange", interrupted_exchange):
+    with mock.patch.object(safe_files, "exchange", interrupted_exchange):
         assert run_main(capsys, [str(flan), str(out), "--overwrite", "--no-verify"]) == 130
     assert one_error_line(capsys) == (
         f"interrupted: {out} holds the complete new conversion (the old folder was replaced)")
@@ -112,17 +131,26 @@ def test_interrupt_after_writing_says_out_was_written(flan, tmp_path, capsys):
     assert (out / "model.safetensors").is_file()
 
 
+# Holds an flock on the folder argv[1], as a converter does on its staging folder, until its stdin closes.
+HOLD_LOCK = ("import fcntl, os, sys; descriptor = os.open(sys.argv[1], os.O_RDONLY); "
+             "fcntl.flock(descriptor, fcntl.LOCK_EX); print('locked', flush=True); sys.stdin.read()")
+
+
 def test_stale_staging_of_a_killed_run_is_removed_and_only_that(flan, tmp_path, capsys):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
     mark = convert.safety.STAGING_MARK
-    stale = tmp_path / f".out{mark}{dead.pid}-abc"
-    alive = tmp_path / f".out{mark}{os.getppid()}-abc"  # a running process's staging
-    other = tmp_path / f".other{mark}{dead.pid}-abc"  # another OUT's
+    stale = tmp_path / f".out{mark}123-abc"  # a killed run's: no process holds it locked
+    alive = tmp_path / f".out{mark}456-abc"  # a running process's staging, which it holds locked
+    other = tmp_path / f".other{mark}123-abc"  # another OUT's
     for folder in (stale, alive, other):
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"partial")
-    assert run_main(capsys, [str(flan), str(tmp_path / "out"), "--no-verify"]) == 0
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(alive)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert run_main(capsys, [str(flan), str(tmp_path / "out"), "--no-verify"]) == 0
+    finally:
+        holder.communicate("")
     assert not stale.exists() and alive.exists() and other.exists()
 
 
@@ -260,14 +288,14 @@ def test_out_that_appears_before_the_swap_is_left_as_it_is(flan, tmp_path, capsy
     out = tmp_path / "out"
     if started_with == "an empty folder":
         out.mkdir()
-    real_put_in_place = convert.safety.put_in_place
+    real_put_in_place = safe_files.put_in_place
 
     def race(staging, target, replace):
         someone_else_writes(out, appears)  # at the last moment before the final swap
         return real_put_in_place(staging, target, replace)
 
-    with mock.patch.object(convert.safety, "put_in_place", race), \
-            mock.patch.object(convert.safety, "renameat2", convert.safety.renameat2 if renameat2 else
+    with mock.patch.object(safe_files, "put_in_place", race), \
+            mock.patch.object(safe_files, "renameat2", safe_files.renameat2 if renameat2 else
                               (lambda first, second, flag: False)):
         assert run_main(capsys, [str(flan), str(out), "--no-verify"]) == 2
     assert "appeared or was filled while converting: left as it is" in one_error_line(capsys)
@@ -280,13 +308,13 @@ def test_out_that_appears_before_the_swap_is_left_as_it_is(flan, tmp_path, capsy
 
 def test_out_that_appears_before_the_swap_is_replaced_with_overwrite(flan, tmp_path, capsys):
     out = tmp_path / "out"
-    real_put_in_place = convert.safety.put_in_place
+    real_put_in_place = safe_files.put_in_place
 
     def race(staging, target, replace):
         someone_else_writes(out, "a folder with a file")
         return real_put_in_place(staging, target, replace)
 
-    with mock.patch.object(convert.safety, "put_in_place", race):
+    with mock.patch.object(safe_files, "put_in_place", race):
         assert run_main(capsys, [str(flan), str(out), "--no-verify", "--overwrite"]) == 0
     assert not (out / "theirs.txt").exists() and (out / "config.json").is_file()
     assert staging_leftovers(tmp_path) == []
@@ -297,14 +325,14 @@ def test_the_way_back_also_leaves_an_out_that_appeared(flan, tmp_path, capsys):
 
     assert run_main(capsys, [str(flan), str(tmp_path / "fat5"), "--no-verify"]) == 0
     out = tmp_path / "t5"
-    real_put_in_place = convert.safety.put_in_place
+    real_put_in_place = safe_files.put_in_place
 
     def race(staging, target, replace):
         someone_else_writes(out, "a folder with a file")
         return real_put_in_place(staging, target, replace)
 
     capsys.readouterr()
-    with mock.patch.object(convert.safety, "put_in_place", race):
+    with mock.patch.object(safe_files, "put_in_place", race):
         assert back([str(tmp_path / "fat5"), str(out), "--no-verify"]) == 2
     assert "appeared or was filled while converting" in one_error_line(capsys)
     assert snapshot(out) == {Path("theirs.txt"): b"theirs"}

@@ -73,7 +73,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from fat5.cli import CommandError, raise_if_interrupted, write_failures_reported
-from fat5.remote_code_fat5 import put_in_place, remove_stale_staging
+from fat5.safe_files import put_in_place, remove_stale_staging
 
 from .flags import RunFolderArguments  # the run folder's flags, read before transformers loads
 
@@ -127,12 +127,9 @@ def read_record(folder):
 
 
 def _write_json_atomically(path, value):
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text(json.dumps(value, indent=1) + "\n")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)  # a write that failed (a full disk) leaves nothing behind
+    from fat5.safe_files import write_atomically
+
+    write_atomically(path, json.dumps(value, indent=1) + "\n")
 
 
 def folder_entries(folder):

@@ -180,6 +180,21 @@ def test_non_finite_tensors_are_named_unless_allowed(tmp_path, capsys):
     assert run_main(capsys, [str(src), str(tmp_path / "out"), "--no-verify", "--allow-non-finite"]) == 0
 
 
+@pytest.mark.parametrize("tensor, says", [
+    ("shared.weight", ""),  # row 0, the decoder start token's: every generated logit is NaN, the proof's batch has none
+    ("lm_head.weight", "; 18 of 1818 logits NaN or infinite in both"),
+    ("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+     "; 1818 of 1818 logits NaN or infinite in both"),
+])
+def test_non_finite_tensors_converted_on_request_pass_the_proof_where_both_models_agree(tmp_path, capsys, tensor,
+                                                                                        says):
+    """The source computes NaN logits too: they are compared as NaN (the proof blamed them on the cache)."""
+    src = make_t5_checkpoint("flan-t5", tmp_path / "nan")
+    rewrite(src, lambda t: t[tensor].view(-1).__setitem__(5, torch.nan))
+    assert run_main(capsys, [str(src), str(tmp_path / "out"), "--allow-non-finite"]) == 0
+    assert f"(2 random padded sequences, float32{says})" in capsys.readouterr().out
+
+
 def test_overflow_of_the_dtype_cast_is_caught(tmp_path, capsys):
     src = make_t5_checkpoint("flan-t5", tmp_path / "big")
     rewrite(src, lambda t: t["shared.weight"].view(-1).__setitem__(0, 1e6))

@@ -12,6 +12,7 @@ safetensors and torch when they run.
 """
 
 import json
+import os
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -82,6 +83,19 @@ def read_json_object(path, what=""):
     if not isinstance(value, dict):
         raise CommandError(f"{what}{path} is not a JSON object")
     return value
+
+
+def printable(text):
+    """A path (or other text from the OS) as UTF-8 text: bytes that are not UTF-8, which Python holds as
+    surrogates, written as \\xNN."""
+    return os.fsencode(str(text)).decode("utf-8", "backslashreplace")
+
+
+def safetensors_path(path):
+    """`path` as safetensors opens it: a str, which safetensors requires to be UTF-8 (one line otherwise)."""
+    if printable(path) != str(path):
+        raise CommandError(f"cannot read {printable(path)}: safetensors opens only paths that are UTF-8; rename it")
+    return str(path)
 
 
 def check_model_folder(folder, also=()):
@@ -179,7 +193,7 @@ def check_finite_weights(folder, what):
     from safetensors import safe_open
 
     for path in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as weights:
+        with safe_open(safetensors_path(path), framework="pt") as weights:
             for name in weights.keys():
                 tensor = weights.get_tensor(name)
                 if tensor.is_floating_point() and not torch.isfinite(tensor).all():
@@ -234,8 +248,9 @@ def check_safetensors(path):
 
     if Path(path).is_dir():
         raise CommandError(f"cannot read {path}: it is a folder, not a file")
+    path = safetensors_path(path)
     try:
-        with safe_open(str(path), framework="numpy"):
+        with safe_open(path, framework="numpy"):
             pass
     except SafetensorError as error:
         raise CommandError(f"cannot read {path}: corrupt or truncated weights ({error_line(error)})") from None

@@ -88,6 +88,34 @@ def test_a_symlinked_out_that_is_no_folder_is_one_true_line(flan, tmp_path, caps
                                       f"{says}: give a folder")
 
 
+@pytest.mark.parametrize("direction", ["to FAT5", "back to T5"])
+def test_an_out_path_that_is_not_utf8_is_one_true_line(flan, tmp_path, capsys, direction):
+    """It was reported as a failure of the model card's template; safetensors could not load the folder anyway."""
+    from convert.fat5_to_t5 import main as back
+
+    out = tmp_path / os.fsdecode(b"out\xff")
+    if direction == "to FAT5":
+        assert run_main(capsys, [str(flan), str(out), "--no-verify"]) == 2
+    else:
+        assert run_main(capsys, [str(flan), str(tmp_path / "fat5"), "--no-verify"]) == 0
+        capsys.readouterr()
+        assert back([str(tmp_path / "fat5"), str(out), "--no-verify"]) == 2
+    assert one_error_line(capsys) == (f"error: OUT {tmp_path}/out\\xff is not a UTF-8 path, and safetensors, which "
+                                      "loads the weights written there, opens only UTF-8 paths: choose a UTF-8 name")
+    assert not os.path.lexists(out) and staging_leftovers(tmp_path) == []
+
+
+def test_a_source_path_that_is_not_utf8_is_one_true_line(flan, tmp_path, capsys):
+    """safetensors' refusal of the path was reported as corrupt or truncated weights."""
+    import shutil
+
+    src = tmp_path / os.fsdecode(b"src\xfe")
+    shutil.copytree(flan, src)
+    assert run_main(capsys, [str(src), str(tmp_path / "out"), "--no-verify"]) == 2
+    assert one_error_line(capsys) == (f"error: cannot read {tmp_path}/src\\xfe/model.safetensors: safetensors opens "
+                                      "only paths that are UTF-8; rename it")
+
+
 def existing_out(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

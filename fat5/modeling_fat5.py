@@ -520,8 +520,12 @@ class FAT5PreTrainedModel(PicklesWithItsCode, PreTrainedModel):
                       if name in kwargs}
         mark_as_package(self.config, encoder_only=isinstance(self, FAT5EncoderMixin))
         parent_save = super().save_pretrained
+        try:  # where FAT5 is installed, its file safety (not shipped: see remote_code_fat5.py)
+            from fat5.safe_files import StagedFolder
+        except ImportError:
+            from .remote_code_fat5 import StagedFolder
         with _no_transformers_code_copy(type(self)):
-            save_as_package(lambda staging: parent_save(staging, *args, **kwargs), save_directory)
+            save_as_package(lambda staging: parent_save(staging, *args, **kwargs), save_directory, StagedFolder)
         if push_to_hub:
             repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.normpath(save_directory)))
             return self.push_to_hub(repo_id, **hub_kwargs)

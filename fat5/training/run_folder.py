@@ -78,7 +78,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from fat5.cli import CommandError, WriteFailed, raise_if_interrupted, write_failure
-from fat5.remote_code_fat5 import remove_stale_staging
+from fat5.safe_files import remove_stale_staging, write_atomically
 
 from .finite import NonFiniteStop
 from .flags import RunFolderArguments  # the run folder's flags, read before transformers loads
@@ -134,12 +134,7 @@ def read_record(folder):
 
 
 def _write_json_atomically(path, value):
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text(json.dumps(value, indent=1) + "\n")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)  # a write that failed (a full disk) leaves nothing behind
+    write_atomically(path, json.dumps(value, indent=1) + "\n")
 
 
 def folder_entries(folder):

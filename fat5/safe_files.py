@@ -43,12 +43,13 @@ def staging_prefix(target):
     return f".{Path(target).name}{STAGING_MARK}"
 
 
-def lock(path):
-    """An exclusive lock (`flock`) on the file or folder at `path`, held until the returned descriptor is closed;
-    None when another process holds it, or where the platform has no `fcntl`."""
+def lock(path, create=False):
+    """An exclusive lock (`flock`) on the file or folder at `path` (a file, made if absent, with `create`), held
+    until the returned descriptor is closed; None when another process holds it. Where the platform has no `fcntl`
+    nothing is locked: the descriptor of the file with `create`, else None."""
     if fcntl is None:
-        return None
-    descriptor = os.open(path, os.O_RDONLY)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666) if create else None
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o666) if create else os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -202,6 +203,28 @@ class StagedFolder(remote_code_fat5.StagedFolder):
             if self._lock is not None:
                 os.close(self._lock)
                 self._lock = None
+
+
+def remove_folder(path):
+    """Delete a folder so that it is never seen half deleted: renamed to `.NAME.removed` first (what a deletion cut
+    short leaves there is removed by the next one)."""
+    path = Path(path)
+    doomed = path.with_name(f".{path.name}.removed")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def fsync_tree(folder):
+    """Flush a folder's files and subfolders to disk (files only where folders cannot be opened: not on Windows)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            descriptor = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        fsync_folder(root)
 
 
 def write_atomically(path, text):

@@ -167,13 +167,18 @@ def _shared_sdpa_mask(query, query_length, key_length, options):
         return _sdpa_mask(query, query_length, key_length, options)
     tensors = [value for value in options.values() if torch.is_tensor(value) and value is not owner]
     key = (query_length, key_length, query.dtype, query.device,
-           *((id(value), value._version) if torch.is_tensor(value) else value for value in options.values()))
+           *((id(value), _version(value)) if torch.is_tensor(value) else value for value in options.values()))
     entries = _SDPA_MASKS.get(owner)
     if entries is None:
         entries = _SDPA_MASKS[owner] = {}
     if key not in entries:
         entries[key] = (_sdpa_mask(query, query_length, key_length, options), tensors)
     return entries[key][0]
+
+
+def _version(tensor):
+    """The in-place change counter; an inference tensor (made under torch.inference_mode) keeps none."""
+    return None if tensor.is_inference() else tensor._version
 
 
 def _sdpa_mask(query, query_length, key_length, options):

@@ -11,16 +11,23 @@ Implementations (all use FAT5's `relative_position_bucket`, so they compute the 
     fat5                 FAT5 kernel, bias computed in the kernel, gradient to the bucket table
     sdpa_dense_bias      SDPA with the (1, H, L, L) bias built from the table on every call (what transformers does)
     sdpa_efficient_bias  the same, forced onto the memory-efficient SDPA backend
+    sdpa_cudnn_bias      the same, forced onto the cuDNN SDPA backend (Hopper's fastest dense-bias path)
     flex_lut             FlexAttention (torch.compile), score_mod reading an (H, 2L - 1) relative-position table
     sdpa_nobias          SDPA without any bias (flash backend): the ceiling, not a T5
     fat5_nodropout       FAT5 kernel without dropout whatever --dropout says: what in-kernel dropout costs
+The bias table requires grad in every implementation (T5 learns it), so the peers' backward reaches it too.
 With --dropout P every implementation drops attention probabilities with probability P (FlexAttention has no
-dropout: its rows say so); outputs are compared with FAT5's at P = 0, since the masks differ.
-FLOPs: forward 4·B·H·L²·D (half of it when causal); forward+backward counts 3.5× the forward.
---decode times one generation step instead (fat5 with q_offset = Lk - 1, sdpa_dense_bias with the bias row
-transformers builds, sdpa_nobias as the bar to reach), in microseconds, batch 1 and 32, Lk = 512...8192.
+dropout: its rows say so); each output is compared with FAT5's at P = 0, since the masks differ, in a first call
+that also compiles. FLOPs: forward 4·B·H·L²·D (half of it when causal); forward+backward counts 3.5× the forward.
+Every row is written to the JSON lines in --out the moment it is measured.
+--decode times one generation step instead (fat5: the decode kernel that generation runs, with the position
+q_offset = Lk - 1 as a device tensor, as a static cache gives it; sdpa_dense_bias with the bias row transformers
+builds; sdpa_nobias as the bar to reach; on request fat5_training, the training kernel's one 128-row tile per
+(batch, head) that decode steps ran before the decode kernel), in microseconds, batch 1 and 32, Lk = 512...8192.
+>>>>>>> decode
 """
 
+import contextlib
 import os
 import sys
 
@@ -42,14 +49,18 @@ try:
 except ImportError:
     print(f"attention.py: needs triton ({common.BENCH_EXTRA})", file=sys.stderr)
     sys.exit(2)
+from fat5.kernels.decode_attention_t5 import decode_attention_t5  # noqa: E402
 from fat5.kernels.flash_attention_t5 import flash_attention_t5  # noqa: E402
 from fat5.reference_fat5 import relative_position_bucket  # noqa: E402
 
 NUM_BUCKETS, MAX_DISTANCE = 32, 128
-IMPLEMENTATIONS = ("fat5", "sdpa_dense_bias", "sdpa_efficient_bias", "flex_lut", "sdpa_nobias", "fat5_nodropout")
+IMPLEMENTATIONS = ("fat5", "sdpa_dense_bias", "sdpa_efficient_bias", "sdpa_cudnn_bias", "flex_lut", "sdpa_nobias",
+                   "fat5_nodropout")
+SDPA_BACKENDS = {"sdpa_dense_bias": None, "sdpa_efficient_bias": SDPBackend.EFFICIENT_ATTENTION,
+                 "sdpa_cudnn_bias": SDPBackend.CUDNN_ATTENTION}  # None: SDPA's own choice
 # Not peers in the "fat5 / best peer" ratio: FAT5 itself and the no-bias ceiling.
 NOT_PEERS = ("fat5", "fat5_nodropout", "sdpa_nobias")
-DECODE_IMPLEMENTATIONS = ("fat5", "sdpa_dense_bias", "sdpa_nobias")
+DECODE_IMPLEMENTATIONS = ("fat5", "fat5_training", "sdpa_dense_bias", "sdpa_nobias")
 
 
 def dense_bias(table, length, causal):
@@ -76,11 +87,10 @@ def run(name, q, k, v, table, causal, dropout_p=0.0):
         return flash_attention_t5(q, k, v, bias_table=table, bidirectional=not causal, num_buckets=NUM_BUCKETS,
                                   max_distance=MAX_DISTANCE, causal=causal,
                                   dropout_p=dropout_p if name == "fat5" else 0.0)
-    if name in ("sdpa_dense_bias", "sdpa_efficient_bias"):
+    if name in SDPA_BACKENDS:
         mask = causal_mask_bias(dense_bias(table, q.shape[2], causal), causal).to(q.dtype)
-        if name == "sdpa_dense_bias":
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, dropout_p=dropout_p)
-        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        backend = SDPA_BACKENDS[name]
+        with sdpa_kernel(backend) if backend else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, dropout_p=dropout_p)
     if name == "flex_lut":
         if dropout_p:
@@ -103,11 +113,15 @@ def run(name, q, k, v, table, causal, dropout_p=0.0):
     raise ValueError(f"unknown implementation {name}")
 
 
-def decode_step(name, q, k, v, table):
-    """One decoder self-attention step: Lq new queries at positions Lk - Lq... against a cache of Lk keys."""
+def decode_step(name, q, k, v, table, position):
+    """One decoder self-attention step: Lq new queries at positions Lk - Lq... against a cache of Lk keys;
+    `position`: Lk - Lq as a one-element device tensor."""
     query_length, key_length = q.shape[2], k.shape[2]
     past = key_length - query_length
     if name == "fat5":
+        return decode_attention_t5(q, k, v, bias_table=table, bidirectional=False, num_buckets=NUM_BUCKETS,
+                                   max_distance=MAX_DISTANCE, causal=True, q_offset=position)
+    if name == "fat5_training":
         return flash_attention_t5(q, k, v, bias_table=table, bidirectional=False, num_buckets=NUM_BUCKETS,
                                   max_distance=MAX_DISTANCE, causal=True, q_offset=past)
     if name == "sdpa_dense_bias":
@@ -121,12 +135,12 @@ def decode_step(name, q, k, v, table):
     raise ValueError(f"decode has no implementation {name}")
 
 
-def decode(args, stamp):
-    """Rows (pass "decode") for every Lk, batch and implementation, and their markdown table."""
+def decode(args, stamp, rows):
+    """Append a row (pass "decode") to `rows` for every Lk, batch and implementation; return the markdown table."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
     names = [n for n in args.impl if n in DECODE_IMPLEMENTATIONS]
-    rows, lines = [], [f"### decode step, {device_name()}, {stamp}", "",
+    lines = [f"### decode step, {device_name()}, {stamp}", "",
                        f"torch {torch.__version__}, triton {triton.__version__}; H={args.heads}, D={args.head_dim}, "
                        f"{args.dtype}, one new query against Lk cached keys; microseconds (median).", "",
                        "| batch | Lk | " + " | ".join(names) + " | fat5 / sdpa_nobias time |",
@@ -138,30 +152,32 @@ def decode(args, stamp):
             k, v = (torch.randn(batch, args.heads, key_length, args.head_dim, device=device, dtype=dtype,
                                 generator=generator) for _ in range(2))
             table = torch.randn(NUM_BUCKETS, args.heads, device=device, generator=generator)
+            position = torch.full((1,), key_length - 1, dtype=torch.int64, device=device)
             with torch.no_grad():
-                ours = decode_step("fat5", q, k, v, table).float()
+                ours = decode_step("fat5", q, k, v, table, position).float()
                 cells, times = [], {}
                 for name in names:
                     row = dict(implementation=name, L=key_length, batch=batch, causal=True, **{"pass": "decode"},
                                tflops=None, ms=None, peak_mib=None, status="ok")
                     try:
-                        difference = (decode_step(name, q, k, v, table).float() - ours).abs().max().item()
-                        if name == "sdpa_dense_bias" and difference > (5e-2 if args.dtype != "float32" else 1e-3):
+                        difference = (decode_step(name, q, k, v, table, position).float() - ours).abs().max().item()
+                        if name != "sdpa_nobias" and difference > (5e-2 if args.dtype != "float32" else 1e-3):
                             row["status"] = f"mismatch: max|out - fat5| = {difference:.3g}"
-                        row["ms"] = common.time_ms(lambda: decode_step(name, q, k, v, table), args.reps, args.warmup)
+                        row["ms"] = common.time_ms(lambda: decode_step(name, q, k, v, table, position), args.reps,
+                                                   args.warmup, args.max_seconds)
                         times[name] = row["ms"]
-                    except torch.cuda.OutOfMemoryError:
-                        row["status"] = "oom"
-                    cells.append(f"{row['ms'] * 1e3:.1f}" if row["status"] == "ok" else row["status"].split(":")[0])
+                    except Exception as error:  # out of memory, or a backend missing here: a row, not a crash
+                        row["status"] = common.error_status(error)
+                    cells.append(f"{row['ms'] * 1e3:.1f}" if row["ms"] is not None else row["status"].split(":")[0])
                     rows.append(row)
                     print(f"  decode batch={batch} Lk={key_length} {name:16s} {cells[-1]} us {row['status']}")
             ratio = f"{times['fat5'] / times['sdpa_nobias']:.2f}" if {"fat5", "sdpa_nobias"} <= set(times) else "-"
             lines.append(f"| {batch} | {key_length} | " + " | ".join(cells) + f" | {ratio} |")
-    return rows, "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
 
 
-def measure(name, batch, length, args, causal, passes):
-    """Rows for one (implementation, length, causal): status, ms, TFLOP/s and peak extra memory per pass."""
+def attention_inputs(batch, length, args):
+    """q, k, v, the bias table (all requiring grad) and the output gradient of one (batch, L)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -169,10 +185,24 @@ def measure(name, batch, length, args, causal, passes):
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=generator).requires_grad_()
                for _ in range(3))
     table = torch.randn(NUM_BUCKETS, args.heads, device=device, generator=generator).requires_grad_()
-    grad = torch.randn(shape, device=device, dtype=dtype, generator=generator)
-    flops = 4 * batch * args.heads * length * length * args.head_dim * (0.5 if causal else 1.0)
-    rows = []
-    for pass_name in passes:
+    return q, k, v, table, torch.randn(shape, device=device, dtype=dtype, generator=generator)
+
+
+def measure(name, tensors, expected, args, causal, rows):
+    """Append to `rows` one row per pass (fwd, fwd+bwd) of implementation `name`: status, ms, TFLOP/s and peak
+    memory above the inputs. A first call compares its output with FAT5's (`expected`, at dropout 0) so that a
+    fast wrong kernel cannot win; it also compiles what compiles."""
+    q, k, v, table, grad = tensors
+    batch, heads, length, head_dim = q.shape
+    flops = 4 * batch * heads * length * length * head_dim * (0.5 if causal else 1.0)
+    status = "ok"
+    try:
+        difference = (run(name, q, k, v, table, causal).detach().float() - expected).abs().max().item()
+        if name not in NOT_PEERS and difference > (5e-2 if args.dtype != "float32" else 1e-3):
+            status = f"mismatch: max|out - fat5| = {difference:.3g}"
+    except Exception as error:  # a peer out of memory or failing at one size is recorded, and the run goes on
+        status = common.error_status(error)
+    for pass_name in ("fwd", "fwd+bwd"):
         def step():
             out = run(name, q, k, v, table, causal, args.dropout)
             if pass_name == "fwd+bwd":
@@ -180,47 +210,22 @@ def measure(name, batch, length, args, causal, passes):
             return out
 
         row = dict(implementation=name, L=length, batch=batch, causal=causal, **{"pass": pass_name},
-                   tflops=None, ms=None, peak_mib=None, status="ok")
-        try:
-            if device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-            ms = common.time_ms(step, args.reps, args.warmup)
-            row.update(ms=ms, tflops=flops * (3.5 if pass_name == "fwd+bwd" else 1) / ms / 1e9)
-            if device == "cuda":
-                row["peak_mib"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
-        except Exception as error:  # a peer out of memory or failing at one size is recorded, and the run goes on
-            row["status"] = common.error_status(error)
+                   tflops=None, ms=None, peak_mib=None, status=status)
+        if not status.startswith(("error", "oom")):
+            try:
+                with common.peak_memory() as peak:
+                    ms = common.time_ms(step, args.reps, args.warmup, args.max_seconds)
+                row.update(ms=ms, tflops=flops * (3.5 if pass_name == "fwd+bwd" else 1) / ms / 1e9,
+                           peak_mib=peak["mib"] if q.is_cuda else None)
+            except Exception as error:
+                row["status"] = common.error_status(error)
         for tensor in (q, k, v, table):
             tensor.grad = None
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        common.release_memory()
         rows.append(row)
-    return rows
-
-
-def agreement(names, batch, length, args, causal):
-    """Max |output - fat5 output| of each implementation, so a fast wrong kernel cannot win."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = getattr(torch, args.dtype)
-    generator = torch.Generator(device=device).manual_seed(1)
-    q, k, v = (torch.randn(min(batch, 2), args.heads, length, args.head_dim, device=device, dtype=dtype,
-                           generator=generator) for _ in range(3))
-    table = torch.randn(NUM_BUCKETS, args.heads, device=device, generator=generator)
-    differences = {}
-    with torch.no_grad():
-        ours = run("fat5", q, k, v, table, causal).float()
-        for name in names:
-            if name in ("fat5", "fat5_nodropout", "sdpa_nobias"):
-                continue
-            try:
-                differences[name] = (run(name, q, k, v, table, causal).float() - ours).abs().max().item()
-            except torch.cuda.OutOfMemoryError:
-                differences[name] = None
-            except Exception as error:  # recorded by measure(); agreement just has nothing to say
-                differences[name] = f"error: {type(error).__name__}"
-    return differences
+        speed = f"{row['tflops']:.3g} TFLOP/s {row['ms']:.3g} ms" if row["ms"] is not None else ""
+        peak = f"peak {row['peak_mib']} MiB" if row["peak_mib"] is not None else ""
+        print(f"  {name:20s} {pass_name:8s} {speed} {peak} {row['status']}", flush=True)
 
 
 def device_name():
@@ -233,7 +238,8 @@ def markdown(rows, args, stamp):
              f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}; "
              f"H={args.heads}, D={args.head_dim}, {args.dtype}, {args.tokens} tokens a batch"
              + (f", attention dropout {args.dropout:g} (fat5_nodropout: none)" if args.dropout else "") + ". "
-             "TFLOP/s (ms); fwd+bwd FLOPs = 3.5 x fwd; peak = MiB above the inputs.",
+             "TFLOP/s (ms); fwd+bwd FLOPs = 3.5 x fwd; peak = MiB above the inputs; `*`: output differs from "
+             "FAT5's (not a peer).",
              "",
              "| causal | pass | L | " + " | ".join(args.impl) + " | fat5 / best peer |"
              + (" fat5 / fat5_nodropout |" if "fat5_nodropout" in args.impl else ""),
@@ -246,12 +252,13 @@ def markdown(rows, args, stamp):
                         == (name, causal, pass_name, length)), None)
             if row is None:
                 cells.append("-")
-            elif row["status"] != "ok":
+            elif row["ms"] is None:
                 cells.append(row["status"].split(":")[0])
             else:
                 peak = f", {row['peak_mib']} MiB" if row["peak_mib"] is not None else ""
-                cells.append(f"{row['tflops']:.3g} ({row['ms']:.3g} ms{peak})")
-                if name not in NOT_PEERS:
+                mark = "*" if row["status"] != "ok" else ""  # timed, but its output differs from FAT5's
+                cells.append(f"{row['tflops']:.3g}{mark} ({row['ms']:.3g} ms{peak})")
+                if name not in NOT_PEERS and not mark:
                     peers.append(row["tflops"])
 
         def ok_row(name):
@@ -304,8 +311,7 @@ def build_parser():
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="attention dropout probability of every implementation (fat5_nodropout: none)")
     parser.add_argument("--peer-max-length", type=int, default=16384, help="peers stop at this L (fat5 goes on)")
-    parser.add_argument("--reps", type=common.positive_int, default=20, help="timed calls (the median is kept)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
+    common.add_timing_arguments(parser, reps=20, warmup=5, seconds=3.0)
     common.add_output_arguments(parser)
     parser.add_argument("--decode", action="store_true", help="time one generation step instead (Lq = 1)")
     parser.add_argument("--decode-lengths", type=common.positive_ints, default="512,1024,2048,4096,8192",
@@ -326,9 +332,10 @@ def parse_args():
     if args.dropout and args.decode:
         parser.error("--dropout applies to training passes, not to --decode")
     args.impl = [name.strip() for name in args.impl.split(",")]
-    unknown = sorted(set(args.impl) - set(IMPLEMENTATIONS))
+    known = IMPLEMENTATIONS + (("fat5_training",) if args.decode else ())
+    unknown = sorted(set(args.impl) - set(known))
     if unknown:
-        parser.error(f"unknown --impl {unknown}; choose from {IMPLEMENTATIONS}")
+        parser.error(f"unknown --impl {unknown}; choose from {known}")
     common.require_gpu(args, "run --smoke (it checks the script in Triton's interpreter)")
     return args
 
@@ -338,35 +345,26 @@ def main():
     stamp = common.today()
     causal_values = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     print(f"{device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-          f"transformers {transformers.__version__} | {stamp}")
-    rows = []
+          f"transformers {transformers.__version__} | {stamp}", flush=True)
+    settings = dict(heads=args.heads, head_dim=args.head_dim, dtype=args.dtype, tokens=args.tokens,
+                    reps=args.reps, warmup=args.warmup, max_seconds=args.max_seconds, dropout=args.dropout)
+    name = "attention_decode" if args.decode else ("attention_dropout" if args.dropout else "attention")
+    rows = common.Rows(name, settings, args.out)
     if args.decode:
-        rows, table = decode(args, stamp)
-        causal_values = ()
+        common.report(rows, decode(args, stamp, rows), args)
+        return
     for causal in causal_values:
         for length in args.lengths:
             batch = max(1, args.tokens // length)
-            names = [n for n in args.impl if n == "fat5" or length <= args.peer_max_length]
-            differences = agreement(names, batch, length, args, causal)
-            print(f"L={length} batch={batch} causal={causal} max|out - fat5|: "
-                  + ", ".join(f"{n}={d:.3g}" if isinstance(d, float) else f"{n}={d}" for n, d in differences.items()))
-            for name in names:
-                new_rows = measure(name, batch, length, args, causal, ("fwd", "fwd+bwd"))
-                difference = differences.get(name)
-                if isinstance(difference, float) and difference > (5e-2 if args.dtype != "float32" else 1e-3):
-                    for row in new_rows:
-                        row["status"] = f"mismatch: max|out - fat5| = {difference:.3g}"
-                for row in new_rows:
-                    speed = f"{row['tflops']:.3g} TFLOP/s {row['ms']:.3g} ms" if row["status"] == "ok" else ""
-                    peak = f"peak {row['peak_mib']} MiB" if row["peak_mib"] is not None else ""
-                    print(f"  {name:20s} {row['pass']:8s} {speed} {peak} {row['status']}")
-                rows.extend(new_rows)
-    if not args.decode:
-        table = markdown(rows, args, stamp)
-    settings = dict(heads=args.heads, head_dim=args.head_dim, dtype=args.dtype, tokens=args.tokens,
-                    reps=args.reps, warmup=args.warmup, dropout=args.dropout)
-    name = "attention_decode" if args.decode else ("attention_dropout" if args.dropout else "attention")
-    common.report(name, rows, table, settings, args, None if args.decode else plot)
+            print(f"L={length} batch={batch} causal={causal}", flush=True)
+            tensors = attention_inputs(batch, length, args)
+            with torch.no_grad():
+                expected = run("fat5", *tensors[:4], causal).float()
+            for name in (n for n in args.impl if n == "fat5" or length <= args.peer_max_length):
+                measure(name, tensors, expected, args, causal, rows)
+            del tensors, expected
+            common.release_memory()
+    common.report(rows, markdown(rows, args, stamp), args, plot)
 
 
 if __name__ == "__main__":

@@ -1,320 +1,570 @@
-"""Everything a GPU session measures, in one command: the GPU tier of the tests, then every benchmark, then one
-table of the goals (met / missed / not measured).
+"""FAT5's GPU plan: what a lent GPU measures, in two calls that fit a 15-minute device window, losing nothing.
 
-    python benchmarks/gpu_suite.py --out DIR         # one H100: about 24 minutes; everything lands in DIR
-    python benchmarks/gpu_suite.py --update-results  # also append every table to benchmarks/RESULTS.md
-    python benchmarks/gpu_suite.py --smoke           # CPU, tiny sizes: checks the suite itself (CI); without
-                                                     # --smoke it needs CUDA, and says so
+    python benchmarks/gpu_suite.py --call 1 --out $OUT     # one H100: at most 9 minutes
+    python benchmarks/gpu_suite.py --call 2 --out $OUT     # at most 4 minutes, right after it
+    python benchmarks/gpu_suite.py --call 1 --smoke --out DIR   # CPU, smoke sizes: the same plan checks itself
+    python benchmarks/gpu_suite.py --goals call1-rows.tar.gz call2-rows.tar.gz [--update-results]
+                                                           # the goal table from what came back, on any machine
 
-Stages run one after another, each in its own process under its own time limit (--timeout STAGE=SECONDS), so an
-error, an out-of-memory or a timeout in one leaves every other stage's results. Wheels in --wheels (default .whl/,
-filled by scripts/fetch_gpu_wheels.py on a machine with PyPI) are installed first with pip --no-index: the GPU
-machines have no network. Each stage's rows and plots land in OUT/<stage>/, and OUT/results.json, OUT/tables.md
-and OUT/suite.log hold them all (OUT: --out, by default ./bench-results/gpu_suite_<date>/ in the current folder;
-with --smoke and no --out, a temporary folder removed at the end). Nothing is written into the checkout unless
---update-results.
+A call runs its steps (PLAN below) in order of value, each in its own process under its own cap in seconds, and
+starts no step once its --budget is spent. Each step is one of the benchmark scripts, the GPU tier's tests, or the
+environment; children run unbuffered and write every row the moment it is measured (JSON lines). After every step
+the suite packs everything into three files in --out: callN.log (every step's output, each step headed by its
+command and process id), callN-rows.tar.gz (every row so far) and callN-goals.md (the goal table so far), so a
+timeout, a crash or a kill loses only the step in flight. Wheels in --wheels (scripts/fetch_gpu_wheels.py fetches
+the tested transformers and liger-kernel, which the GPU image lacks) are first installed offline into the work
+folder, which goes first on the children's PYTHONPATH; without them the plan runs on what is installed and its
+first line says so.
 """
 
+import argparse
+import importlib.util
 import json
-import shutil
+import os
+import shlex
+import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
+from collections import namedtuple
+from datetime import datetime
 from pathlib import Path
 
-import common
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-DROPOUT_IMPLEMENTATIONS = "fat5,fat5_nodropout,sdpa_dense_bias,sdpa_nobias"
-# (name, command after `python`, seconds). The limits add up to 23 minutes: a stage that reaches its limit loses its
-# own rows only (the scripts write them at the end), so the slow peers (FlexAttention compiles once per L) get
-# fewer repetitions.
-STAGES = [
-    ("gpu_tests", ["-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"], 240),
-    ("attention_encoder", ["benchmarks/attention.py", "--causal", "no", "--reps", "10", "--warmup", "3"], 170),
-    ("attention_decoder", ["benchmarks/attention.py", "--causal", "yes", "--reps", "10", "--warmup", "3"], 170),
-    ("attention_decode", ["benchmarks/attention.py", "--decode"], 50),
-    # Attention dropout 0.1 (issue 25): the kernel with it against SDPA with a dense bias and the same dropout, and
-    # against the kernel without it.
-    ("attention_encoder_dropout", ["benchmarks/attention.py", "--causal", "no", "--dropout", "0.1", "--impl",
-                                   DROPOUT_IMPLEMENTATIONS, "--reps", "10", "--warmup", "3"], 120),
-    ("attention_decoder_dropout", ["benchmarks/attention.py", "--causal", "yes", "--dropout", "0.1", "--impl",
-                                   DROPOUT_IMPLEMENTATIONS, "--reps", "10", "--warmup", "3"], 120),
-    ("train_step", ["benchmarks/train_step.py", "--impl", "fat5,t5_eager,t5_sdpa,t5_flex", "--reps", "5",
-                    "--warmup", "2"], 200),
-    # Compiling costs a minute or more per length: the two lengths the goals name.
-    ("train_step_compiled", ["benchmarks/train_step.py", "--impl", "fat5+compile,t5_sdpa+compile", "--lengths",
-                             "512,4096", "--reps", "5", "--warmup", "2"], 130),
-    ("generate", ["benchmarks/generate.py"], 120),
-    ("loss_memory", ["benchmarks/loss_memory.py"], 60),
+from fat5.training.flags import HelpFormatter  # noqa: E402  (no torch, no transformers: the suite imports neither)
+
+# One step: `command` runs with `python` in the repository root; with --smoke, `smoke` is appended (argparse keeps
+# an option's last value). `estimate`: seconds expected on a cold H100 machine (the image's python, Triton's cache
+# empty); `cap`: the step's limit. Estimates come from counts: a bf16/fp16 variant of the kernel compiles its
+# forward, dK/dV and dQ in about 10-15 s of one CPU core (fp32: 9-33 s a kernel, hence none in call 1); a child
+# starts in 5-8 s (torch, transformers); FlexAttention compiles 10-20 s a shape; a T5-base step takes 0.1-3 s.
+Step = namedtuple("Step", "call name cap estimate command smoke")
+PEERS = "sdpa_dense_bias,sdpa_efficient_bias,sdpa_cudnn_bias,sdpa_nobias"
+# attention.py's first call of each implementation (the output check) compiles and warms it: one more warm-up call,
+# then up to 10 timed within a second (a slow peer: one).
+QUICK = ["--reps", "10", "--warmup", "1", "--max-seconds", "1", "--no-plot"]
+SMOKE_ATTENTION = ["--smoke", "--impl", "fat5,sdpa_dense_bias,sdpa_cudnn_bias,sdpa_nobias"]
+TESTS = ["-m", "pytest", "-p", "no:cacheprovider", "-p", "gpu_suite", "-q", "-rfE", "-m", ""]
+# The GPU tier in half precision only (bf16's tl.dot has never run anywhere): the kernel's realistic sizes (padded,
+# packed, causal, decode offsets, dropout, every gradient), dropout statistics, offsets past 2^31, memory flat in
+# L, and the whole model in bf16 against eager attention (bias tables' gradients included).
+CORRECTNESS = "half_precision_on_gpu or keep_rate or many_heads or memory_is_flat or (low_precision and full)"
+TEST_FILES = ["tests/test_flash_attention_t5.py", "tests/test_gpu_model.py"]
+# The whole model in fp32 on CUDA against eager attention (every position encoding), generation with every backend
+# and cache, a FLAN-T5 conversion in bf16, the fused kernels at model sizes, liger-kernel's loss, a compiled
+# training step, gradient checkpointing with dropout: the fp32 kernels compile here (9-33 s each).
+PARITY = ("(full and (fp32 or every_backend or flan_t5 or rms_norm or compiled or checkpointing) and not "
+          "low_precision) or liger")
+PLAN = [
+    # Call 1: a 510 s budget (timeout_s 540); estimates 10 (wheels) + 430 s, then generation with what is left.
+    Step(1, "environment", 30, 10, ["-c", "ENVIRONMENT"], []),
+    # 7 variants at once (16 cores): a process start, then one variant's 3 kernels.
+    Step(1, "compile", 60, 35, ["benchmarks/compile_times.py", "--jobs", "8"], ["--smoke", "--variants", "enc,packed"]),
+    # About 30 variants (10-15 s each) on 8 workers, plus their start.
+    Step(1, "correctness", 120, 90, [*TESTS, "-n", "8", "-k", CORRECTNESS, *TEST_FILES], ["-m", "gpu"]),
+    # 3 L x 6 implementations x 2 passes at <= 1 s after 2 calls, FlexAttention's 3 compiles (15-20 s), the dense
+    # bias's L x L backward (1-2 s a call at 8192).
+    Step(1, "attention_encoder", 120, 100, ["benchmarks/attention.py", "--causal", "no", "--lengths",
+                                            "512,2048,8192", "--impl", f"fat5,flex_lut,{PEERS}", *QUICK],
+         SMOKE_ATTENTION),
+    Step(1, "attention_decoder", 60, 45, ["benchmarks/attention.py", "--causal", "yes", "--lengths", "512,2048,8192",
+                                          "--impl", f"fat5,{PEERS}", *QUICK], SMOKE_ATTENTION),
+    # The reference T5-base built on CPU, 2 models x 2 L x 7 steps (0.1-3 s each).
+    Step(1, "train_step", 90, 70, ["benchmarks/train_step.py", "--impl", "fat5,t5_sdpa", "--lengths", "512,4096",
+                                   "--reps", "5", "--warmup", "2", "--max-seconds", "8", "--no-plot"], ["--smoke"]),
+    # transformers' flex T5 compiles per shape (the check's, 512, 4096; self- and cross-attention).
+    Step(1, "train_step_flex", 90, 80, ["benchmarks/train_step.py", "--impl", "t5_flex", "--lengths", "512,4096",
+                                        "--reps", "5", "--warmup", "2", "--max-seconds", "8", "--no-plot"],
+         ["--smoke", "--impl", "t5_eager"]),  # FlexAttention's CPU compile takes minutes
+    # 2 models x 2 caches x 2 batches x 2 generate calls of 128 tokens (1.5-2.5 s each), the decode kernels' 6-9
+    # forward compiles (a q_offset and a key count of 1 or a multiple of 16 compile apart): last, with what is left.
+    Step(1, "generate", 100, 85, ["benchmarks/generate.py", "--impl", "fat5,t5_sdpa", "--caches", "dynamic,static",
+                                 "--batches", "1,32", "--encoder-lengths", "512", "--reps", "1", "--warmup", "1",
+                                 "--no-plot"], ["--smoke"]),
+    # Call 2: a 210 s budget (timeout_s 240); estimates 140 s up to train_step_long, then what fits, in order.
+    Step(2, "environment", 20, 8, ["-c", "ENVIRONMENT"], []),
+    Step(2, "compile", 30, 20, ["benchmarks/compile_times.py", "--variants", "drop_enc,drop_dec,d128_enc,alibi_enc",
+                                "--jobs", "4"], ["--smoke", "--variants", "drop_enc"]),
+    Step(2, "attention_dropout", 45, 35, ["benchmarks/attention.py", "--causal", "no", "--dropout", "0.1", "--lengths",
+                                          "2048,8192", "--impl", "fat5,fat5_nodropout,sdpa_dense_bias,sdpa_nobias",
+                                          *QUICK], ["--smoke"]),
+    Step(2, "attention_decode", 25, 15, ["benchmarks/attention.py", "--decode", "--decode-lengths", "1024,8192",
+                                         *QUICK], ["--smoke"]),
+    # Memory at 16k and 32k (batch 2 and 1): the dense-bias peers up to 16k.
+    Step(2, "attention_long", 45, 30, ["benchmarks/attention.py", "--causal", "no", "--lengths", "16384,32768",
+                                       "--impl", "fat5,sdpa_dense_bias,sdpa_cudnn_bias,sdpa_nobias",
+                                       "--peer-max-length", "16384", *QUICK], SMOKE_ATTENTION),
+    Step(2, "train_step_long", 45, 30, ["benchmarks/train_step.py", "--impl", "fat5", "--lengths", "16384,32768",
+                                        "--reps", "3", "--warmup", "1", "--max-seconds", "8", "--no-plot"],
+         ["--smoke"]),
+    # CUDA graphs (reduce-overhead): Inductor compiles each model's decoder step once (30-40 s).
+    Step(2, "generate_compiled", 90, 70, ["benchmarks/generate.py", "--impl", "fat5,t5_sdpa", "--caches",
+                                          "static+compile", "--batches", "1", "--encoder-lengths", "512", "--reps",
+                                          "2", "--warmup", "1", "--no-plot"],
+         ["--smoke", "--caches", "static"]),  # Inductor's CPU compile takes minutes
+    Step(2, "attention_decoder_flex", 60, 50, ["benchmarks/attention.py", "--causal", "yes", "--lengths",
+                                               "512,2048,8192", "--impl", "fat5,flex_lut", *QUICK],
+         ["--smoke", "--impl", "fat5"]),
+    Step(2, "generate_long", 60, 45, ["benchmarks/generate.py", "--impl", "fat5,t5_sdpa", "--caches",
+                                      "dynamic,static", "--batches", "1,32", "--encoder-lengths", "4096", "--reps",
+                                      "1", "--warmup", "1", "--no-plot"], ["--smoke"]),
+    Step(2, "fp32_parity", 120, 100, [*TESTS, "-n", "8", "-k", PARITY, "tests/test_gpu_model.py"], ["-m", "gpu"]),
 ]
-SMOKE_LIMIT = 600
-TIMING_SCRIPTS = ("attention.py", "train_step.py", "generate.py")  # those taking the common output options
-STATUS = {"met": "met", "missed": "MISSED", None: "not measured"}
+# Device time: a start (60-120 s) + call 1 (<= 540 s) + call 2 (<= 240 s) + transfers: 13-15 of the 15 minutes.
+# A call that fails early is rerun with a --budget that keeps call 2's 4 minutes (docs/benchmarks.md).
+BUDGETS = {1: 510, 2: 210}
+MIN_STEP_SECONDS = 10  # a step is not started with less left than this
+SMOKE_CAP = 600  # each step's cap with --smoke: CPUs differ widely
+PACK_SECONDS = 3  # kept back from the last step for packing
+# The environment step: device, versions, what is installed; one row.
+ENVIRONMENT = """
+import importlib.metadata, json, shutil, subprocess, sys
+from pathlib import Path
+import torch, transformers
+import common
+row = dict(device=common.device_name(), **common.versions(), transformers_from=transformers.__file__,
+           python=sys.version.split()[0], cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version())
+if torch.cuda.is_available():
+    properties = torch.cuda.get_device_properties(0)
+    row.update(capability=f"{properties.major}.{properties.minor}", multiprocessors=properties.multi_processor_count,
+               memory_gib=round(properties.total_memory / 2**30, 1))
+for package in ("liger-kernel", "pytest-xdist", "matplotlib"):
+    try:
+        row[package] = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        row[package] = None
+common.Rows("environment", {}, Path(sys.argv[1])).append(row)
+print(json.dumps(row, indent=1))
+if shutil.which("nvidia-smi"):
+    subprocess.run(["nvidia-smi"])
+"""
+TEST_ROWS = "FAT5_TEST_ROWS"  # where the pytest plugin below writes a row per test
 
 
-def build_parser():
-    parser = common.argument_parser(__doc__)
-    parser.add_argument("--out", type=Path, metavar="DIR",
-                        help="folder for every stage's rows, plots and log, and the collected results (default: "
-                             f"./{common.OUT_DIR}/gpu_suite_<date>/; with --smoke, a temporary folder)")
-    parser.add_argument("--update-results", action="store_true",
-                        help="also append every table to benchmarks/RESULTS.md of this checkout")
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU run of every stage: checks the suite itself")
-    parser.add_argument("--stages", type=lambda text: text.split(","), default=[name for name, _, _ in STAGES],
-                        help="comma-separated stages to run (default: all): " + ", ".join(n for n, _, _ in STAGES))
-    parser.add_argument("--timeout", action="append", default=[], metavar="STAGE=SECONDS",
-                        help="another time limit for one stage (repeatable)")
-    parser.add_argument("--wheels", type=Path, default=common.ROOT / ".whl",
-                        help="folder of wheels to install first, offline (default: .whl/)")
-    return parser
+def call_steps(call):
+    return [step for step in PLAN if step.call == call]
 
 
-def parse_args():
-    parser = build_parser()
-    args = parser.parse_args()
-    known = {name for name, _, _ in STAGES}
-    unknown = [name for name in args.stages if name not in known]
-    if unknown:
-        parser.error(f"unknown --stages {unknown}; choose from {', '.join(sorted(known))}")
-    # The limits are an H100's; a CPU's smoke run gets ten minutes a stage (CI machines differ widely in speed).
-    args.limits = {name: SMOKE_LIMIT if args.smoke else seconds for name, _, seconds in STAGES}
-    for item in args.timeout:
-        name, _, seconds = item.partition("=")
-        if name not in known or not seconds.isdigit() or int(seconds) < 1:
-            parser.error(f"--timeout {item!r}: expected STAGE=SECONDS with STAGE one of {', '.join(sorted(known))}")
-        args.limits[name] = int(seconds)
-    common.require_gpu(args, "run --smoke (it checks the suite itself)")
-    return args
+# ---- the pytest plugin (`-p gpu_suite`): one JSON line per test, written when the test ends --------------------
+
+_test_rows = None
 
 
-def install_wheels(folder, log):
-    """pip install --no-index from `folder` when it holds wheels; returns a one-line status."""
+def pytest_configure(config):
+    global _test_rows
+    if os.environ.get(TEST_ROWS) and not hasattr(config, "workerinput"):  # xdist's workers report to the controller
+        _test_rows = Path(os.environ[TEST_ROWS])
+        _test_rows.write_text(json.dumps({"benchmark": "tests", "command": " ".join(sys.argv)}) + "\n")
+
+
+def pytest_runtest_logreport(report):
+    if _test_rows is None or (report.when != "call" and report.outcome == "passed"):
+        return
+    if report.outcome == "passed":
+        message = ""
+    elif isinstance(report.longrepr, tuple):  # a skip: (file, line, reason)
+        message = str(report.longrepr[2])
+    else:
+        message = (report.longreprtext.strip().splitlines() or [""])[-1][:300]
+    row = dict(test=report.nodeid, when=report.when, outcome=report.outcome, seconds=round(report.duration, 2),
+               message=message)
+    with open(_test_rows, "a") as file:
+        file.write(json.dumps(row) + "\n")
+
+
+# ---- running a call ----------------------------------------------------------------------------------------------
+
+
+def install_wheels(folder, site):
+    """pip install --no-index --no-deps --target `site` every wheel in `folder`; returns the one line to log."""
     wheels = sorted(folder.glob("*.whl")) if folder.is_dir() else []
     if not wheels:
-        return f"no wheels in {folder}"
-    result = subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--find-links", str(folder),
-                             *map(str, wheels)], capture_output=True, text=True)
-    log.write(f"\n===== wheels: pip install --no-index from {folder}\n{result.stdout}{result.stderr}")
+        return (f"wheels: none in {folder} (python scripts/fetch_gpu_wheels.py fetches them): running with the "
+                "installed transformers and without liger-kernel unless installed")
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                             "--target", str(site), *map(str, wheels)], capture_output=True, text=True)
     if result.returncode != 0:
-        return "error: " + (result.stderr.strip().splitlines() or ["pip failed"])[-1][:200]
-    return f"installed {len(wheels)} wheel(s) from {folder}"
+        lines = result.stderr.strip().splitlines() or ["pip failed"]
+        return f"wheels: not installed ({lines[-1][:200]}): running with what is installed"
+    return f"wheels: installed {', '.join(wheel.name for wheel in wheels)}"
 
 
-def stage_command(name, command, stage_dir, smoke, update_results=False):
-    command = list(command)
-    script = Path(command[0]).name
-    if script in TIMING_SCRIPTS:
-        if smoke and name.startswith("train_step"):
-            # The script's smoke lengths and implementations: compiling (Inductor, FlexAttention) takes minutes on CPU.
-            options = dict(zip(command[1::2], command[2::2], strict=True))
-            command = [command[0]] + [item for key, value in options.items() if key not in ("--lengths", "--impl")
-                                      for item in (key, value)]
-        if smoke and name.startswith("attention") and name != "attention_decode" and "--dropout" not in command:
-            command += ["--impl", "fat5,sdpa_dense_bias"]  # FlexAttention's CPU compile takes minutes
-        command += ["--out", str(stage_dir)] + (["--smoke"] if smoke else []) \
-            + (["--update-results"] if update_results else [])
-    elif script == "loss_memory.py":
-        command += ["--out", str(stage_dir)] + (["--smoke"] if smoke else [])
-    elif name == "gpu_tests":
-        # Only the files that hold GPU tests: the others may import what the GPU image lacks (datasets, ...).
-        files = sorted(path.relative_to(common.ROOT).as_posix() for path in (common.ROOT / "tests").glob("test_*.py")
-                       if "mark.gpu" in path.read_text())
-        # Without CUDA the tier is skipped: collecting one file shows the stage works.
-        command += (["tests/test_gpu_model.py"] if smoke else files) + [f"--junitxml={stage_dir / 'gpu_tests.xml'}"]
-    return [sys.executable, *command]
+def step_command(step, smoke, rows_dir):
+    if step.command[0] == "-c":
+        return [sys.executable, "-c", ENVIRONMENT, str(rows_dir)]
+    command = [sys.executable, *step.command, *(step.smoke if smoke else [])]
+    if step.command[0].endswith(".py"):
+        command += ["--out", str(rows_dir)]
+    elif "-n" in command and importlib.util.find_spec("xdist") is None:  # pytest without xdist: one process
+        del command[command.index("-n"):command.index("-n") + 2]
+    return command
 
 
-def run_stage(name, command, limit, log):
-    """Run one stage in its own process; returns (status, seconds). Its output goes to the log and the screen."""
-    start = time.monotonic()
-    log.write(f"\n===== {name}: {' '.join(command)} (limit {limit} s)\n")
+def run_step(command, cap, log, env):
+    """Run `command` as a process group under `cap` seconds, its output into `log`; returns (status, seconds). The
+    group is killed whole (the step and what it started: pytest's workers, compilers) at the cap, or when the suite
+    is terminated; it stays in the suite's session, so nothing outlives the device call."""
     log.flush()
-    print(f"[{name}] running (limit {limit} s)", flush=True)
+    start = time.monotonic()
+    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                               preexec_fn=os.setpgrp)
+
+    def terminated(number, frame):
+        os.killpg(process.pid, signal.SIGKILL)
+        sys.exit(128 + number)
+
+    signal.signal(signal.SIGTERM, terminated)
+    log.write(f"pid {process.pid}\n")
+    log.flush()
     try:
-        result = subprocess.run(command, cwd=common.ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=limit)
-        status = "ok" if result.returncode == 0 else f"exit {result.returncode}"
+        code = process.wait(timeout=cap)
+        status = "ok" if code == 0 else (f"killed by signal {-code}" if code < 0 else f"exit {code}")
     except subprocess.TimeoutExpired:
-        status = f"timeout after {limit} s"
-    seconds = round(time.monotonic() - start, 1)
-    print(f"[{name}] {status} in {seconds} s", flush=True)
-    return status, seconds
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        status = f"timeout after {cap:.0f} s"
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return status, round(time.monotonic() - start, 1)
 
 
-def rows_of(stage_dir):
-    """Every row of the JSON files a timing script wrote into `stage_dir`."""
-    rows = []
-    for path in sorted(stage_dir.glob("*.json")) if stage_dir.is_dir() else []:
-        document = json.loads(path.read_text())
-        rows += document.get("rows", []) if isinstance(document, dict) else []
-    return rows
+def pack(rows_dir, out, call, log_line):
+    """The archive of every row so far and the goal table so far, each replaced whole (never half-written)."""
+    archive = out / f"call{call}-rows.tar.gz"
+    with tarfile.open(archive.with_name(archive.name + ".partial"), "w:gz") as tar:
+        tar.add(rows_dir, arcname=f"call{call}")
+    os.replace(archive.with_name(archive.name + ".partial"), archive)
+    goals = out / f"call{call}-goals.md"
+    try:
+        table = goal_table(read_archives([archive]))
+    except Exception as error:  # a goal that cannot be computed must not stop the call: the rows are safe
+        table = f"goal table not computed ({type(error).__name__}: {error}): run --goals on the archive\n"
+    goals.with_name(goals.name + ".partial").write_text(table)
+    os.replace(goals.with_name(goals.name + ".partial"), goals)
+    log_line(f"packed: {archive.name}, {goals.name}")
+
+
+def run_call(args):
+    began = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_path = args.out / f"call{args.call}.log"
+    with tempfile.TemporaryDirectory(prefix="gpu_suite_") as work, open(log_path, "a") as log:
+        def log_line(text):
+            line = f"[{datetime.now().strftime('%H:%M:%S')}] {text}"
+            print(line, flush=True)
+            log.write(line + "\n")
+            log.flush()
+
+        rows_dir, site = Path(work) / "rows", Path(work) / "site"
+        rows_dir.mkdir()
+        budget = f"a budget of {args.budget:.0f} s" if args.budget else "no budget"
+        log_line(f"gpu_suite.py call {args.call}{' (smoke)' if args.smoke else ''}, {budget}: "
+                 f"{install_wheels(args.wheels, site)}")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(site), str(ROOT), str(ROOT / "benchmarks"),
+                                                            os.environ.get("PYTHONPATH")])))
+        suite_rows = rows_dir / "suite.jsonl"
+        suite_rows.write_text(json.dumps({"benchmark": "suite", "call": args.call, "smoke": args.smoke,
+                                          "budget": args.budget, "command": " ".join(sys.argv)}) + "\n")
+        for step in call_steps(args.call):
+            if step.name not in args.steps:
+                continue
+            left = args.budget - (time.monotonic() - began) - PACK_SECONDS if args.budget else float("inf")
+            cap = min(args.caps.get(step.name, SMOKE_CAP if args.smoke else step.cap), left)
+            step_dir = rows_dir / step.name
+            step_dir.mkdir()
+            if cap < MIN_STEP_SECONDS and step.name not in args.caps:
+                status, seconds = f"skipped: {max(left, 0):.0f} s of the budget left", 0.0
+            else:
+                command = step_command(step, args.smoke, step_dir)
+                shown = command if command[1] != "-c" else [*command[:2], "ENVIRONMENT", *command[3:]]
+                log.write(f"\n===== {step.name} (cap {cap:.0f} s, estimate {step.estimate} s): {shlex.join(shown)}\n")
+                status, seconds = run_step(command, cap, log, dict(env, **{TEST_ROWS: str(step_dir / "tests.jsonl")}))
+            with open(suite_rows, "a") as file:
+                file.write(json.dumps(dict(step=step.name, call=args.call, status=status, seconds=seconds,
+                                           cap=step.cap, estimate=step.estimate)) + "\n")
+            log_line(f"{step.name}: {status} ({seconds} s)")
+            pack(rows_dir, args.out, args.call, log_line)
+        log_line(f"call {args.call} done in {time.monotonic() - began:.0f} s")
+    print("\n" + (args.out / f"call{args.call}-goals.md").read_text(), flush=True)
+
+
+# ---- the goal table ------------------------------------------------------------------------------------------------
+
+STATUS = {True: "met", False: "MISSED", None: "not measured"}
+
+
+def read_archives(paths):
+    """{benchmark: [(step, header, rows)]} of every JSON-lines file in the archives (a line cut short is dropped)."""
+    found = {}
+    for path in paths:
+        with tarfile.open(path) as tar:
+            for member in tar.getmembers():
+                if not member.name.endswith(".jsonl"):
+                    continue
+                documents = []
+                for line in tar.extractfile(member).read().decode().splitlines():
+                    try:
+                        documents.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        break
+                if documents:
+                    header, *rows = documents
+                    step = Path(member.name).parent.name
+                    found.setdefault(header.get("benchmark"), []).append((step, header, rows))
+    return found
+
+
+def all_rows(found, benchmark, steps=None):
+    return [row for step, _, rows in found.get(benchmark, []) if steps is None or step in steps for row in rows]
 
 
 def ok(rows, **match):
     return [row for row in rows if row.get("status") == "ok" and all(row.get(k) == v for k, v in match.items())]
 
 
-def goal(name, figure, target, compare=lambda value, target: value >= target, text=None):
-    """One line of the goal table: its measured figure (None when not measured) against `target`."""
-    if figure is None:
+def goal(name, value, met, text=None):
+    """One line of the goal table: its figure (None: not measured) and whether `met(value)`."""
+    if value is None:
         return dict(goal=name, figure="-", status=STATUS[None])
-    return dict(goal=name, figure=text or f"{figure:.3g}", status=STATUS["met" if compare(figure, target)
-                                                                         else "missed"])
+    return dict(goal=name, figure=text if text is not None else f"{value:.3g}", status=STATUS[bool(met(value))])
 
 
-def kernel_goals(attention_rows):
-    def lowest(rows):
-        return min((row["tflops"] for row in rows), default=None)
+def lowest(pairs):
+    """(value, where) of the smallest value among (value, where) pairs, or (None, None)."""
+    return min(pairs, key=lambda pair: pair[0], default=(None, None))
 
-    fat5 = ok(attention_rows, implementation="fat5")
-    forward = lowest([row for row in fat5 if row["pass"] == "fwd" and row["L"] >= 2048])
-    both = lowest([row for row in fat5 if row["pass"] == "fwd+bwd" and row["L"] >= 2048])
-    short = lowest([row for row in fat5 if row["pass"] == "fwd+bwd" and row["L"] == 512])
-    ratios = []
-    for row in fat5:
-        peers = [peer for peer in ok(attention_rows, implementation="flex_lut", L=row["L"], causal=row["causal"])
-                 if peer["pass"] == row["pass"]]
-        ratios += [row["tflops"] / peer["tflops"] for peer in peers]
+
+def at_least(target):
+    return lambda value: value >= target
+
+
+def kernel_goals(attention):
+    """Issue 34's kernel goals from attention.py's rows (no dropout), pooled over the plan's steps."""
+    fat5 = ok(attention, implementation="fat5")
+    keys = sorted({(row["L"], row["causal"], row["pass"]) for row in fat5})
+
+    def best(name_test, key):
+        values = [row["tflops"] for row in ok(attention, L=key[0], causal=key[1]) if row["pass"] == key[2]
+                  and name_test(row["implementation"])]
+        return max(values, default=None)
+
+    def where(key):
+        return f"L {key[0]} {'decoder' if key[1] else 'encoder'} {key[2]}"
+
+    def fat5_lowest(test):
+        return lowest([(row["tflops"], where((row["L"], row["causal"], row["pass"]))) for row in fat5 if test(row)])
+
+    def ratios(peer_test):
+        found = []
+        for key in keys:
+            ours, theirs = best(lambda name: name == "fat5", key), best(peer_test, key)
+            if theirs:
+                found.append((ours / theirs, where(key)))
+        return found
+
+    forward = fat5_lowest(lambda row: row["pass"] == "fwd" and row["L"] >= 2048)
+    both = fat5_lowest(lambda row: row["pass"] == "fwd+bwd" and row["L"] >= 2048)
+    short = fat5_lowest(lambda row: row["pass"] == "fwd+bwd" and row["L"] == 512)
+    t5_peer = lowest(ratios(lambda name: name == "flex_lut" or name.endswith("_bias")))  # not sdpa_nobias
+    ceiling = lowest(ratios(lambda name: name == "sdpa_nobias"))
+    peaks = sorted((row["L"], row["peak_mib"]) for row in fat5 if row["pass"] == "fwd+bwd" and row["peak_mib"]
+                   and not row["causal"])
+    flat = peaks[-1][1] / peaks[0][1] if len(peaks) > 1 and peaks[-1][0] > peaks[0][0] else None
+
+    def figure(pair, unit=""):
+        return None if pair[0] is None else f"{pair[0]:.3g}{unit} ({pair[1]})"
+
     return [
-        goal("kernel fwd >= 350 TFLOP/s at every L >= 2048 (lowest)", forward, 350),
-        goal("kernel fwd+bwd >= 280 TFLOP/s at every L >= 2048 (lowest)", both, 280),
-        goal("kernel fwd+bwd >= 200 TFLOP/s at L = 512 (lowest)", short, 200),
-        goal("kernel >= 2x FlexAttention at every L (lowest ratio)", min(ratios, default=None), 2,
-             text=f"{min(ratios):.2f}x" if ratios else None),
+        goal("kernel forward >= 350 TFLOP/s at every L >= 2048 (lowest)", forward[0], at_least(350), figure(forward)),
+        goal("kernel forward+backward >= 280 TFLOP/s at every L >= 2048 (lowest)", both[0], at_least(280),
+             figure(both)),
+        goal("kernel forward+backward >= 200 TFLOP/s at L = 512 (lowest)", short[0], at_least(200), figure(short)),
+        goal("kernel >= 1.2x the best T5-capable path (FlexAttention with a bias lookup, SDPA with a dense bias on "
+             "each backend) at every L (lowest ratio)", t5_peer[0], at_least(1.2), figure(t5_peer, "x")),
+        goal("kernel >= 0.85x SDPA without a bias at every L (lowest ratio)", ceiling[0], at_least(0.85),
+             figure(ceiling, "x")),
+        goal("kernel memory flat in L: forward+backward peak at the longest L <= 1.25x the shortest's (same tokens)",
+             flat, lambda value: value <= 1.25,
+             None if flat is None else f"{flat:.2f}x ({peaks[0][1]} MiB at L {peaks[0][0]}, {peaks[-1][1]} MiB at "
+                                       f"L {peaks[-1][0]})"),
     ]
 
 
-def dropout_goals(attention_rows):
-    """The kernel with attention dropout 0.1 against SDPA with a dense bias and the same dropout, and against
-    itself without dropout (fwd+bwd, the lowest ratio over L and causality). The targets are issue 25's session's:
-    SDPA with a dense bias ran 10-25 TFLOP/s on an H100, and the static sm_90a reading puts dropout at 1.3-1.5x the
-    far-loop instructions of the kernel without it, which tensor-core and memory time partly hide."""
-    peers, own = [], []
-    for row in ok(attention_rows, implementation="fat5"):
-        if row["pass"] != "fwd+bwd":
-            continue
-        match = dict(L=row["L"], causal=row["causal"])
-        peers += [row["tflops"] / peer["tflops"] for peer in ok(attention_rows, implementation="sdpa_dense_bias",
-                                                               **match) if peer["pass"] == "fwd+bwd"]
-        own += [row["tflops"] / base["tflops"] for base in ok(attention_rows, implementation="fat5_nodropout",
-                                                             **match) if base["pass"] == "fwd+bwd"]
+def dropout_goals(rows):
+    """Issue 25's: the kernel with dropout 0.1 against SDPA with a dense bias and the same dropout, and against
+    itself without dropout (forward+backward, lowest ratio over L)."""
+    def ratio_goal(name, base, target):
+        found = []
+        for row in ok(rows, implementation="fat5"):
+            if row["pass"] == "fwd+bwd":
+                found += [(row["tflops"] / other["tflops"], f"L {row['L']}") for other in ok(
+                    rows, implementation=base, L=row["L"], causal=row["causal"]) if other["pass"] == "fwd+bwd"]
+        value, where = lowest(found)
+        return goal(name, value, at_least(target), None if value is None else f"{value:.2f}x ({where})")
 
-    def ratio_goal(name, ratios, target):
-        value = min(ratios, default=None)
-        return goal(name, value, target, text=f"{value:.2f}x" if value is not None else None)
-
-    return [
-        ratio_goal("kernel with dropout 0.1 >= 5x SDPA with a dense bias and dropout (fwd+bwd, lowest)", peers, 5),
-        ratio_goal("kernel with dropout 0.1 >= 0.75x the kernel without dropout (fwd+bwd, lowest)", own, 0.75),
-    ]
+    return [ratio_goal("kernel with dropout 0.1 >= 5x SDPA with a dense bias and dropout (fwd+bwd, lowest; issue "
+                       "25)", "sdpa_dense_bias", 5),
+            ratio_goal("kernel with dropout 0.1 >= 0.75x the kernel without dropout (fwd+bwd, lowest; issue 25)",
+                       "fat5_nodropout", 0.75)]
 
 
-def best_tokens(rows, prefix, **match):
-    values = [row["tokens_per_s"] for row in ok(rows, **match) if row["implementation"].startswith(prefix)]
-    return max(values, default=None)
+def best_speed(rows, prefix, **match):
+    return max((row["tokens_per_s"] for row in rows if row["implementation"].startswith(prefix)
+                and all(row.get(k) == v for k, v in match.items())), default=None)
 
 
-def model_goals(train_rows, generate_rows):
-    def speedup(length, peer="t5_"):
-        ours, theirs = best_tokens(train_rows, "fat5", L=length), best_tokens(train_rows, peer, L=length)
-        return ours / theirs if ours and theirs else None
+def model_goals(train, generated):
+    """The training-step and generation goals: FAT5's best against the best transformers T5 measured."""
+    tried = any(row["L"] == 32768 and row["implementation"] == "fat5" for row in train)
+    train = ok(train)
 
-    flex = [speedup(length, "t5_flex") for length in sorted({row["L"] for row in train_rows})]
-    flex = [ratio for ratio in flex if ratio is not None]
-    # A generation whose tokens differ from FAT5's ("mismatch", e.g. a bf16 near-tie) generated as many tokens: its
-    # speed compares, and its row says mismatch.
-    generated = [{**row, "status": "ok"} if str(row.get("status")).startswith("mismatch") else row
-                 for row in generate_rows]
+    def speedup(length):
+        ours, theirs = best_speed(train, "fat5", L=length), best_speed(train, "t5_", L=length)
+        peers = sorted({row["implementation"] for row in train if row["L"] == length and
+                        row["implementation"].startswith("t5_")})
+        return (ours / theirs, f"{ours / theirs:.2f}x (against {', '.join(peers)})") if ours and theirs else (None,
+                                                                                                              None)
+
+    # A generation whose tokens differ from FAT5's (a bf16 near-tie) generated as many tokens: its speed counts.
+    generated = [row for row in generated if row["status"] == "ok" or row["status"].startswith("mismatch")]
     generation = []
-    for batch in sorted({row["batch"] for row in generated}):
-        ours, theirs = best_tokens(generated, "fat5", batch=batch), best_tokens(generated, "t5_", batch=batch)
+    for batch, length in sorted({(row["batch"], row["encoder_length"]) for row in generated}):
+        ours = best_speed(generated, "fat5", batch=batch, encoder_length=length)
+        theirs = best_speed(generated, "t5_", batch=batch, encoder_length=length)
         if ours and theirs:
-            generation.append(ours / theirs)
-    longest = ok(train_rows, implementation="fat5", L=32768)
-
-    def ratio_goal(name, value, target):
-        return goal(name, value, target, text=f"{value:.2f}x" if value is not None else None)
-
+            generation.append((ours / theirs, f"batch {batch}, encoder {length}"))
+    generation = lowest(generation)
+    longest = [row for row in train if row["implementation"] == "fat5" and row["L"] == 32768 and row["batch"] == 1]
     return [
-        ratio_goal("model: FAT5 >= 2x transformers T5 flex_attention at every L (training step)",
-                   min(flex, default=None), 2),
-        ratio_goal("training step >= 3x the best transformers T5 at L = 512", speedup(512), 3),
-        ratio_goal("training step >= 4x the best transformers T5 at L = 4096", speedup(4096), 4),
-        goal("L = 32768 trains at batch 1", 1.0 if longest else (0.0 if train_rows else None), 1,
-             text=f"{longest[0]['tokens_per_s']:.0f} tokens/s" if longest else "did not run"),
-        ratio_goal("generation >= 2x transformers' tokens/s (lowest over batch sizes)", min(generation, default=None),
-                   2),
+        goal("training step >= 3x the best transformers T5 at L = 512", speedup(512)[0], at_least(3), speedup(512)[1]),
+        goal("training step >= 4x the best transformers T5 at L = 4096", speedup(4096)[0], at_least(4),
+             speedup(4096)[1]),
+        goal("L = 32768 trains at batch 1", 1.0 if longest else (0.0 if tried else None), at_least(1),
+             f"{longest[0]['tokens_per_s']:.0f} tokens/s, peak {longest[0]['peak_mib']} MiB" if longest
+             else "did not train"),
+        goal("generation >= 2x transformers' tokens/s (lowest over batch and encoder length, each side's best cache)",
+             generation[0], at_least(2), None if generation[0] is None else f"{generation[0]:.2f}x ({generation[1]})"),
     ]
 
 
-def tests_goal(stage_dir):
-    report = stage_dir / "gpu_tests.xml"
-    if not report.is_file():
-        return goal("GPU tier of the tests passes", None, 0)
-    import xml.etree.ElementTree as ElementTree
-
-    suite = ElementTree.parse(report).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
-    ran = counts["tests"] - counts["skipped"]
-    bad = counts["failures"] + counts["errors"]
-    text = f"{ran - bad} passed, {bad} failed, {counts['skipped']} skipped"
-    return goal("GPU tier of the tests passes", None if ran == 0 else float(bad), 0,
-                compare=lambda value, target: value == target, text=text)
+def tests_goal(name, rows):
+    counts = {outcome: sum(row["outcome"] == outcome for row in rows) for outcome in ("passed", "failed", "skipped")}
+    if not counts["passed"] + counts["failed"]:
+        return goal(name, None, None)
+    failed = [row["test"].split("::")[-1] for row in rows if row["outcome"] == "failed"]
+    return goal(name, counts["failed"], lambda value: value == 0,
+                f"{counts['passed']} passed, {counts['failed']} failed" + (f" ({', '.join(failed[:3])})" if failed
+                                                                           else ""))
 
 
-def goal_table(goals, stages):
-    lines = [f"### GPU suite, {common.device_name()}, {common.today()}", "",
-             ", ".join(f"{name} {version}" for name, version in common.versions().items())
-             + "; `python benchmarks/gpu_suite.py`; stages: "
-             + ", ".join(f"{name} {status} ({seconds} s)" for name, (status, seconds) in stages.items()), "",
+def compile_goal(rows):
+    if not rows:
+        return goal("every kernel variant compiles (call 1 and 2's variants)", None, None)
+    compiled = [row for row in rows if row["status"] == "ok"]
+    slowest = max(compiled, key=lambda row: row["compile_s"], default=None)
+    text = f"{len(compiled)} of {len(rows)}, {sum(row['compile_s'] for row in compiled):.0f} s in all" + (
+        f", slowest {slowest['variant']} {slowest['compile_s']:.0f} s" if slowest else "")
+    return goal("every kernel variant compiles (call 1 and 2's variants)", len(rows) - len(compiled),
+                lambda value: value == 0, text)
+
+
+def goal_table(found):
+    """The markdown goal table of the rows `read_archives` found: a heading with device and versions (from the
+    environment rows), the steps' statuses, then one line per goal."""
+    environment = next(iter(found.get("environment", [])), (None, {}, []))[1]  # its header: device, versions, date
+    attention = all_rows(found, "attention")  # attention.py's rows without dropout (with it: attention_dropout)
+    goals = [compile_goal(all_rows(found, "compile_times")),
+             tests_goal("correctness on CUDA in bf16 and fp16 passes (call 1)", all_rows(found, "tests",
+                                                                                         {"correctness"})),
+             tests_goal("fp32 parity and compiled variants pass (call 2)", all_rows(found, "tests", {"fp32_parity"})),
+             *kernel_goals(attention), *dropout_goals(all_rows(found, "attention_dropout")),
+             *model_goals(all_rows(found, "train_step"), all_rows(found, "generate"))]
+    steps = "; ".join(f"call {row['call']} {row['step']} {row['status']} ({row['seconds']} s)"
+                      for row in all_rows(found, "suite"))
+    versions = ", ".join(f"{name} {environment.get(name)}" for name in ("torch", "triton", "transformers"))
+    lines = [f"### GPU plan, {environment.get('device', 'device unknown')}, {environment.get('date', '')}".rstrip(", "),
+             "", f"{versions}; `python benchmarks/gpu_suite.py --call N`. Steps: {steps or 'none'}.", "",
              "| goal | figure | status |", "| --- | --- | --- |"]
     lines += [f"| {row['goal']} | {row['figure']} | {row['status']} |" for row in goals]
     return "\n".join(lines) + "\n"
 
 
-def collect(root, goals, table):
-    """The suite's results in two files beside the stages' folders: results.json (every stage's rows and the
-    goals) and tables.md."""
-    document = {"device": common.device_name(), "date": common.today(), **common.versions(), "goals": goals,
-                "stages": {}}
-    for stage_dir in sorted(path for path in root.iterdir() if path.is_dir()):
-        document["stages"][stage_dir.name] = {path.name: json.loads(path.read_text())
-                                              for path in sorted(stage_dir.glob("*.json"))}
-    (root / "results.json").write_text(json.dumps(document, indent=1, default=str) + "\n")
-    (root / "tables.md").write_text(table)
-    print(f"results in {root}")
+# ---- command line ------------------------------------------------------------------------------------------------
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--call", type=int, choices=sorted(BUDGETS), help="which call of the plan to run")
+    parser.add_argument("--out", type=Path, default=Path("bench-results") / "gpu_suite", metavar="DIR",
+                        help="folder for the call's three files (callN.log, callN-rows.tar.gz, callN-goals.md); "
+                             "on the GPU machine $OUT")
+    parser.add_argument("--smoke", action="store_true",
+                        help="run the call's steps at smoke sizes on CPU (Triton's interpreter): checks the plan")
+    parser.add_argument("--budget", type=float, metavar="SECONDS",
+                        help=f"start no step past this many seconds of the call (default: {BUDGETS[1]} for call 1, "
+                             f"{BUDGETS[2]} for call 2; none with --smoke)")
+    parser.add_argument("--cap", action="append", default=[], metavar="STEP=SECONDS",
+                        help="another cap for one step (repeatable)")
+    parser.add_argument("--steps", type=lambda text: text.split(","),
+                        help="run only these steps of the call, comma-separated (default: all, in the plan's order)")
+    parser.add_argument("--wheels", type=Path, default=ROOT / ".whl",
+                        help="folder of wheels installed first, offline (default: .whl/ of this checkout)")
+    parser.add_argument("--goals", nargs="+", type=Path, metavar="ARCHIVE",
+                        help="print the goal table of these callN-rows.tar.gz archives instead of running a call")
+    parser.add_argument("--update-results", action="store_true",
+                        help="with --goals: also append the table to benchmarks/RESULTS.md")
+    return parser
+
+
+def parse_args():
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.goals:
+        missing = [str(path) for path in args.goals if not path.is_file()]
+        if missing:
+            parser.error(f"--goals: no such archive {', '.join(missing)}")
+        return args
+    if args.update_results:
+        parser.error("--update-results goes with --goals (a call writes only into --out)")
+    if args.call is None:
+        parser.error("say which call to run (--call 1 or --call 2), or --goals ARCHIVE...")
+    names = [step.name for step in call_steps(args.call)]
+    args.steps = args.steps or names
+    unknown = [name for name in args.steps if name not in names]
+    if unknown:
+        parser.error(f"unknown --steps {unknown} for call {args.call}; choose from {', '.join(names)}")
+    args.caps = {}
+    for item in args.cap:
+        name, _, seconds = item.partition("=")
+        if name not in names or not seconds.isdigit() or int(seconds) < 1:
+            parser.error(f"--cap {item!r}: expected STEP=SECONDS with STEP one of {', '.join(names)}")
+        args.caps[name] = int(seconds)
+    if args.budget is None:
+        args.budget = 0 if args.smoke else BUDGETS[args.call]
+    import torch
+
+    if not args.smoke and not torch.cuda.is_available():
+        print("gpu_suite.py: needs a CUDA GPU; on CPU run --smoke (it checks the plan itself)", file=sys.stderr)
+        sys.exit(2)
+    return args
 
 
 def main():
     args = parse_args()
-    temporary = args.smoke and args.out is None
-    root = Path(tempfile.mkdtemp(prefix="gpu_suite_")) if temporary else \
-        (args.out or common.OUT_DIR / f"gpu_suite_{common.today()}").resolve()  # the stages run in the checkout
-    root.mkdir(parents=True, exist_ok=True)
-    log_path = root / "suite.log"
-    print(common.header(), flush=True)
-    stages = {}
-    with open(log_path, "a") as log:
-        print(install_wheels(args.wheels, log), flush=True)
-        for name, command, _ in STAGES:
-            if name in args.stages:
-                stage_dir = root / name
-                stage_dir.mkdir(exist_ok=True)
-                stages[name] = run_stage(name, stage_command(name, command, stage_dir, args.smoke,
-                                                             args.update_results), args.limits[name], log)
-    attention = rows_of(root / "attention_encoder") + rows_of(root / "attention_decoder")
-    train = rows_of(root / "train_step") + rows_of(root / "train_step_compiled")
-    dropout = rows_of(root / "attention_encoder_dropout") + rows_of(root / "attention_decoder_dropout")
-    goals = [tests_goal(root / "gpu_tests"), *kernel_goals(attention), *dropout_goals(dropout),
-             *model_goals(train, rows_of(root / "generate"))]
-    table = goal_table(goals, stages)
-    print(f"\nlog: {log_path}\n\n{table}")
-    if args.update_results:
-        common.append_results(table)
-    collect(root, goals, table)
-    if temporary:
-        shutil.rmtree(root)
+    if args.goals:
+        table = goal_table(read_archives(args.goals))
+        print(table, flush=True)
+        if args.update_results:
+            with open(ROOT / "benchmarks" / "RESULTS.md", "a") as results:
+                results.write("\n" + table)
+            print("appended to benchmarks/RESULTS.md")
+        return
+    run_call(args)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ at `--check-tokens`.
     python benchmarks/loss_memory.py --smoke        # seconds: small vocabulary and batch
 """
 
-import json
 import platform
 import sys
 import time
@@ -130,26 +129,27 @@ def main():
                         help="timed steps of each kind at --check-tokens")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
     parser.add_argument("--out", type=Path, default=common.OUT_DIR, metavar="DIR",
-                        help=f"folder for the results (JSON) (default: ./{common.OUT_DIR}/ in the current folder)")
+                        help=f"folder for the results (JSON lines: the peaks, the check and liger-kernel's, each "
+                             f"written when measured) (default: ./{common.OUT_DIR}/ in the current folder)")
     args = parser.parse_args()
     if args.smoke:
         args.vocab_size, args.tokens, args.check_tokens, args.reps = 5000, 2048, 256, 1
     start = time.time()
+    settings = {"vocab_size": args.vocab_size, "d_model": args.d_model, "target_tokens": args.tokens,
+                "check_tokens": args.check_tokens, "transformers": transformers.__version__,
+                "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"}
+    rows = common.Rows("loss_memory", settings, args.out)
     peaks = fake_peaks(args.vocab_size, args.d_model, args.tokens)
     model, batch = build(args.vocab_size, args.d_model, args.tokens)
     real_chunked = tracked_peak(model, batch, full_logits=False)
     del model, batch
-    check = compare(args.vocab_size, args.d_model, args.check_tokens, args.reps)
-    liger = liger_check(args.vocab_size, args.d_model, args.check_tokens, args.reps)
     full, chunked = peaks["full fp32 logits"], peaks["chunked (default)"]
-    result = {
-        "vocab_size": args.vocab_size, "d_model": args.d_model, "target_tokens": args.tokens,
-        "peak_bytes": peaks, "chunked_peak_bytes_real_run": real_chunked, "ratio_full_over_chunked": full / chunked,
-        "check_tokens": args.check_tokens, **check, "liger": liger,
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
-        "torch": torch.__version__, "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
-        "seconds": round(time.time() - start, 1),
-    }
+    rows.append({"part": "peaks", "peak_bytes": peaks, "chunked_peak_bytes_real_run": real_chunked,
+                 "ratio_full_over_chunked": full / chunked})
+    check = compare(args.vocab_size, args.d_model, args.check_tokens, args.reps)
+    rows.append({"part": "check", **check})
+    liger = liger_check(args.vocab_size, args.d_model, args.check_tokens, args.reps)
+    rows.append({"part": "liger", "liger": liger, "seconds": round(time.time() - start, 1)})
     gib = 2**30
     print(f"vocab {args.vocab_size}, {args.tokens} target tokens, d_model {args.d_model}")
     for name, peak in peaks.items():
@@ -168,9 +168,6 @@ def main():
               f"{liger['loss_relative_difference']:.2e}, max gradient rel diff "
               f"{liger['max_gradient_relative_difference']:.2e}; step ms {liger['step_ms']}; peak MiB "
               f"{liger['peak_mib']}", flush=True)
-    path = common.result_path("loss_memory", args.out)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"results: {path}")
     if not args.smoke and full < 4 * chunked:
         sys.exit(f"chunked peak {chunked / gib:.3f} GiB is more than 1/4 of the full-logits peak {full / gib:.3f} GiB")
 

@@ -17,8 +17,6 @@ Implementations:
 Before timing, every model's logits are compared with the eager T5's (fp32); a mismatch marks its rows.
 """
 
-import contextlib
-
 import torch
 
 import common
@@ -27,27 +25,21 @@ DEFAULT_IMPL = "fat5,fat5+compile,t5_eager,t5_sdpa,t5_flex"
 CPU_INSTEAD = "run --smoke (it checks the script), or --allow-cpu with smaller sizes"
 
 
-def autocast(args):
-    if args.dtype == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast(common.device(), dtype=getattr(torch, args.dtype))
-
-
-def train_rows(name, model, args):
-    """One row per L for implementation `name`: tokens/s, ms per step, peak MiB, status."""
+def train_rows(name, model, args, rows, status):
+    """Append to `rows` one row per L for implementation `name`: tokens/s, ms per step, peak MiB, status (`status`
+    unless the step fails)."""
     device = common.device()
     compiled = name.endswith("+compile")
     model.to(device).train()
     step_model = torch.compile(model, dynamic=False) if compiled else model  # one graph per L
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
-    rows, failed_at = [], None
+    failed_at = None
     for length in args.lengths:
         batch = max(1, args.tokens // length)
         row = dict(implementation=name, L=length, batch=batch, decoder_length=args.decoder_length,
-                   tokens_per_s=None, ms=None, peak_mib=None, status="ok")
-        rows.append(row)
+                   tokens_per_s=None, ms=None, peak_mib=None, status=status)
         if failed_at is not None:
-            row["status"] = f"skipped: {failed_at}"
+            rows.append({**row, "status": f"skipped: {failed_at}"})
             continue
         generator = torch.Generator().manual_seed(length)
         input_ids = torch.randint(2, args.shape["vocab_size"], (batch, length), generator=generator).to(device)
@@ -55,14 +47,14 @@ def train_rows(name, model, args):
                                generator=generator).to(device)
 
         def step(input_ids=input_ids, labels=labels):
-            with autocast(args):
+            with common.autocast(args.dtype):
                 loss = step_model(input_ids=input_ids, labels=labels).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
         try:
-            ms = common.time_ms(step, args.reps, args.warmup + (2 if compiled else 0))
+            ms = common.time_ms(step, args.reps, args.warmup + (2 if compiled else 0), args.max_seconds)
             with common.peak_memory() as peak:
                 step()
             row.update(ms=round(ms, 3), tokens_per_s=round(batch * length / ms * 1e3, 1), peak_mib=peak["mib"])
@@ -72,10 +64,10 @@ def train_rows(name, model, args):
         optimizer.zero_grad(set_to_none=True)
         del input_ids, labels, step
         common.release_memory()
+        rows.append(row)
         speed = f"{row['tokens_per_s']:.0f} tok/s {row['ms']:.1f} ms peak {row['peak_mib']} MiB" \
-            if row["status"] == "ok" else ""
+            if row["ms"] is not None else ""
         print(f"  {name:16s} L={length:<6d} batch={batch:<4d} {speed} {row['status']}", flush=True)
-    return rows
 
 
 def best(rows, length, prefix, key="tokens_per_s", pick=max):
@@ -88,14 +80,16 @@ def markdown(rows, args):
     lines = common.markdown_head(
         "Training step",
         f"shape {args.shape}; {args.dtype}{' autocast' if args.dtype != 'float32' else ''}, {args.tokens} encoder "
-        f"tokens a batch, decoder {args.decoder_length}. Cells: encoder tokens/s (peak MiB above resting). Ratios: "
-        "best FAT5 over best transformers T5 (speed), best T5's peak over FAT5's (memory).",
+        f"tokens a batch, decoder {args.decoder_length}. Cells: encoder tokens/s (peak MiB above resting; `*`: "
+        "logits differ from the T5's). Ratios: best FAT5 over best transformers T5 (speed), best T5's peak over "
+        "FAT5's (memory).",
         ["L", "batch", *args.impl, "speed fat5 / T5", "memory T5 / fat5"])
     for length in args.lengths:
         cells = []
         for name in args.impl:
             row = next(r for r in rows if r["implementation"] == name and r["L"] == length)
-            cells.append(f"{row['tokens_per_s']:.4g} ({row['peak_mib']})" if row["status"] == "ok"
+            mark = "*" if row["status"] != "ok" else ""  # timed, but its logits differ from the T5's
+            cells.append(f"{row['tokens_per_s']:.4g}{mark} ({row['peak_mib']})" if row["ms"] is not None
                          else row["status"].split(":")[0])
         batch = max(1, args.tokens // length)
         speed = common.ratio(best(rows, length, "fat5"), best(rows, length, "t5_"))
@@ -137,8 +131,7 @@ def build_parser():
     common.add_model_arguments(
         parser, dtype_help="autocast dtype (weights and AdamW state stay fp32, as Trainer's bf16=True; default: "
                            "bfloat16 on CUDA, float32 on CPU)")
-    parser.add_argument("--reps", type=common.positive_int, default=10, help="timed steps (the median is kept)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
+    common.add_timing_arguments(parser, reps=10, warmup=3, seconds=20.0)
     common.add_allow_cpu_argument(parser)
     common.add_output_arguments(parser)
     return parser
@@ -166,22 +159,21 @@ def parse_args():
 
 def main():
     args = parse_args()
-    reference, batch, expected = common.reference_and_check(args.shape)
-    rows = []
+    settings = dict(shape=args.shape, dtype=args.dtype, tokens=args.tokens, decoder_length=args.decoder_length,
+                    reps=args.reps, warmup=args.warmup, max_seconds=args.max_seconds)
+    rows = common.Rows("train_step", settings, args.out)
+    reference, batch, expected = common.reference_and_check(args.shape, args.dtype)
     for name in args.impl:
-        model, status = common.checked_model(name.removesuffix("+compile"), reference, batch, expected)
-        if status is None:
-            rows += train_rows(name, model, args)
+        model, status = common.checked_model(name.removesuffix("+compile"), reference, batch, expected, args.dtype)
+        if model is not None:
+            train_rows(name, model, args, rows, status)
         else:
-            rows += [dict(implementation=name, L=length, batch=max(1, args.tokens // length),
-                          decoder_length=args.decoder_length, tokens_per_s=None, ms=None, peak_mib=None,
-                          status=status) for length in args.lengths]
+            rows.extend(dict(implementation=name, L=length, batch=max(1, args.tokens // length),
+                             decoder_length=args.decoder_length, tokens_per_s=None, ms=None, peak_mib=None,
+                             status=status) for length in args.lengths)
         del model
         common.release_memory()
-    table = markdown(rows, args)
-    settings = dict(shape=args.shape, dtype=args.dtype, tokens=args.tokens, decoder_length=args.decoder_length,
-                    reps=args.reps, warmup=args.warmup)
-    common.report("train_step", rows, table, settings, args, plot)
+    common.report(rows, markdown(rows, args), args, plot)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
   answers): one line `error: ...`, exit status 1 (`EXIT_CHECK_FAILED`).
 - Output that cannot be written (`WriteFailed`: a full disk during a checkpoint or an export): one line
   `error: writing ... failed (...); <what the output folder holds>`, exit status 2.
+- Training that met a non-finite gradient, loss or weight (`TrainingDiverged`): one line `error: training stopped
+  at step N: ...; <what the output folder holds>`, exit status 1, nothing from that step on saved.
 - Ctrl-C at any moment, imports included: one line `interrupted: <what the output folder holds>` on stderr,
   exit status 130 (`EXIT_INTERRUPTED`). SIGTERM (`kill`, a job scheduler, a container stopping) is handled the
   same way, with `terminated: ...` and exit status 143 (`EXIT_TERMINATED`).
@@ -15,11 +17,12 @@
 
 Only the standard library is imported here (and `fat5/__init__.py` imports nothing until a model class is asked
 for), so an entry point catches Ctrl-C while torch and transformers are still being imported, and answers --help
-and bad flags without them. Nothing in a checkpoint folder needs this module: it is never exported.
+without torch. Nothing in a checkpoint folder needs this module: it is never exported.
 """
 
 import argparse
 import errno
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -41,6 +44,8 @@ STOPPED_BY = {signal.SIGINT: ("interrupted", EXIT_INTERRUPTED), signal.SIGTERM: 
 class CommandError(Exception):
     """Bad input or an impossible request: printed as one `error:` line, exit status 2."""
 
+    says_what_the_output_holds = False  # `run` ends the line with what the output folder holds
+
 
 class CheckFailed(CommandError):
     """The command checked its own result and found it wrong: one `error:` line, exit status 1."""
@@ -49,6 +54,15 @@ class CheckFailed(CommandError):
 class WriteFailed(CommandError):
     """Writing the command's output failed (a full disk, a quota, a lost mount): one `error:` line that goes on to
     say what the output folder holds, exit status 2."""
+
+    says_what_the_output_holds = True
+
+
+class TrainingDiverged(CheckFailed):
+    """Training met a non-finite gradient, loss or weight and stopped before saving it: one `error:` line that goes
+    on to say what the output folder holds, exit status 1."""
+
+    says_what_the_output_holds = True
 
 
 # The extras of pyproject.toml a command may need, with the import names of the libraries each installs (a test holds
@@ -63,13 +77,34 @@ EXTRAS = {
 }
 
 
+# An extra whose libraries cap a library FAT5 needs, so that pip replaces a newer release of it with an older one:
+# extra -> (library, the first release it excludes, what pip installs instead and why).
+EXTRA_CAPS = {"onnx": ("transformers", (4, 58), "transformers 4.57 and huggingface_hub 0.x (optimum-onnx requires "
+                                                "transformers < 4.58)")}
+
+
+def extra_changes(extra):
+    """What installing `extra` changes beyond adding its libraries, said before anything is installed ('' if
+    nothing): the extras of EXTRA_CAPS replace an installed release their libraries exclude."""
+    if extra not in EXTRA_CAPS:
+        return ""
+    library, cap, instead = EXTRA_CAPS[extra]
+    try:
+        installed = importlib.metadata.version(library)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+    if tuple(int(part) for part in re.findall(r"\d+", installed)[:2]) < cap:
+        return ""
+    return f", which replaces {library} {installed} with {instead}; in a virtual environment of its own"
+
+
 class MissingExtra(CommandError):
     """An optional library the command needs is not installed: one `error:` line with the pip command that installs
-    it, exit status 2."""
+    it (and what else that changes), exit status 2."""
 
     def __init__(self, module, extra):
-        super().__init__(f'{module} is not installed; this command needs FAT5\'s "{extra}" extra: '
-                         f'pip install "fat5[{extra}]"')
+        super().__init__(f'{module} is not installed; this command needs FAT5\'s "{extra}" extra'
+                         f'{extra_changes(extra)}: pip install "fat5[{extra}]"')
 
 
 def extra_providing(module, extra=None):
@@ -243,7 +278,7 @@ def run(command, argv=None, extra=None):
         if not isinstance(error, (CommandError, OSError)):
             raise
         line = error_line(error)
-        if isinstance(error, WriteFailed):
+        if getattr(error, "says_what_the_output_holds", False):
             line = f"{line}; {progress.describe()}"
         print(f"error: {line}", file=sys.stderr)
         return EXIT_CHECK_FAILED if isinstance(error, CheckFailed) else EXIT_BAD_INPUT

@@ -3,16 +3,12 @@
 
 Only the standard library is imported until a command runs, so `fat5 --help` and a mistyped command answer at once.
 The commands are the modules above the model package (the converters in `convert/`, the recipes, pretraining); this
-launcher names them as strings and imports the one asked for, nothing else.
+launcher names them as strings and imports the one asked for, nothing else. A Ctrl-C from the first instant
+`console_main` runs (imports included) ends it with one `interrupted` line and exit status 130.
 """
 
-import importlib
 import os
 import sys
-from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
-
-from fat5.cli import EXIT_BAD_INPUT, exit_with
 
 # command: (module run with the arguments, what it does). In --help's order.
 COMMANDS = {
@@ -34,8 +30,9 @@ COMMANDS = {
     "bench": (None, "run a script of benchmarks/ (a source checkout only: the scripts are not in the wheel)"),
 }
 PROG = "fat5"
+EXIT_BAD_INPUT = 2  # fat5.cli's, imported once a command runs
 # The benchmarks live beside the package in a source checkout (an editable install), never in the wheel.
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "benchmarks")
 
 
 def help_text():
@@ -54,12 +51,14 @@ def fail(message):
 
 
 def benchmark_scripts():
-    return sorted(path.stem for path in BENCHMARKS.glob("*.py") if path.stem != "common")
+    from pathlib import Path
+
+    return sorted(path.stem for path in Path(BENCHMARKS).glob("*.py") if path.stem != "common")
 
 
 def bench(argv):
     """Run benchmarks/SCRIPT.py ARGS with this interpreter, in place of this process."""
-    if not (BENCHMARKS / "common.py").is_file():
+    if not os.path.isfile(os.path.join(BENCHMARKS, "common.py")):
         return fail(f"bench runs the scripts in benchmarks/ of a FAT5 source checkout, and this installation has "
                     f"none (the wheel holds only the package): clone the repository, `pip install -e .` there and run "
                     f"`{PROG} bench SCRIPT` (or `python benchmarks/SCRIPT.py`)")
@@ -71,7 +70,7 @@ def bench(argv):
     name = argv[0].removesuffix(".py")
     if name not in scripts:
         return fail(f"bench: no script {argv[0]!r} in {BENCHMARKS}; choose one of {', '.join(scripts)}")
-    script = BENCHMARKS / f"{name}.py"
+    script = os.path.join(BENCHMARKS, f"{name}.py")
     sys.stdout.flush()
     os.execv(sys.executable, [sys.executable, str(script), *argv[1:]])
 
@@ -85,6 +84,8 @@ def main(argv=None):
         print(help_text())
         return 0
     if command == "--version":
+        from importlib.metadata import PackageNotFoundError, version
+
         try:
             print(f"{PROG} {version('fat5')}")
         except PackageNotFoundError:
@@ -95,9 +96,17 @@ def main(argv=None):
     module_name = COMMANDS[command][0]
     if module_name is None:
         return bench(rest)
+    import importlib
+
     return importlib.import_module(module_name).main(rest)
 
 
 def console_main():
-    """The `fat5` console script (pyproject.toml's [project.scripts])."""
+    """The `fat5` console script (pyproject.toml's [project.scripts]) and `python -m fat5`. Importing this module
+    imports nothing slow, so a Ctrl-C while `fat5.cli` and the command load is caught here or by `exit_with`."""
+    try:
+        from fat5.cli import exit_with
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
     exit_with(main)

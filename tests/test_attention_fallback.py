@@ -200,3 +200,28 @@ def test_torch_compile_traces_the_guarded_kernel_in_one_graph(monkeypatch):
     torch._dynamo.reset()
     compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(*states), sdpa_result(states, options)[0])
+
+
+def test_a_decode_step_is_a_variant_of_its_own(monkeypatch, caplog):
+    """Generation's decode steps run the decode kernel (fat5/kernels/decode_attention_t5.py): its failure on the chip
+    sends the decode steps to SDPA, named as such, while the training kernel keeps the longer forwards."""
+    from fat5.kernels import decode_attention_t5 as decode_module
+
+    chunk = _Launch(decode_module._decode_chunk_kernel, OutOfResources(262144, 232448, "shared memory"))
+    monkeypatch.setattr(decode_module, "_decode_chunk_kernel", chunk)
+    forward = _Launch(kernel_module._forward_kernel)
+    monkeypatch.setattr(kernel_module, "_forward_kernel", forward)
+    (q, k, v), options = attention_inputs(causal=True)
+    step = dict(options, q_offset=torch.tensor([20]))  # the last position, as a static cache gives it
+    expected, _ = sdpa_attention_forward(q[:, :, -1:], k, v, **step)
+    with caplog.at_level(logging.WARNING), torch.no_grad():
+        for _ in range(2):
+            output, _ = guarded_triton_attention_forward(q[:, :, -1:], k, v, fallback=True, **step)
+            assert torch.equal(output, expected)
+        (warning,) = warnings_of(caplog)
+        assert f"float32, head dim 32, T5 bias, causal, decode step on {CHIP}" in warning
+        assert "OutOfResources" in warning
+        assert chunk.launches == 1
+        full, _ = guarded_triton_attention_forward(q, k, v, fallback=True, **options)
+    assert forward.launches >= 2 and len(warnings_of(caplog)) == 1  # checked, then run: the kernel's own output
+    torch.testing.assert_close(full, sdpa_result((q, k, v), options)[0])

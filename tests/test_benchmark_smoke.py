@@ -3,8 +3,12 @@ with one error line. No timing is asserted: only that rows exist, the JSON is va
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,14 +18,19 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
+def read_rows(path):
+    """(header, rows) of a benchmark's JSON lines: every line whole."""
+    header, *rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert {"benchmark", "device", "date", "torch", "triton", "transformers", "command", "settings"} <= set(header)
+    return header, rows
+
+
 def run_smoke(script, tmp_path, *extra):
     result = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke", "--no-plot", "--out",
                              str(tmp_path), *extra], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    (raw,) = tmp_path.glob("*.json")
-    document = json.loads(raw.read_text())
-    assert {"device", "date", "torch", "transformers", "rows"} <= set(document)
-    return result.stdout, document["rows"]
+    (raw,) = tmp_path.glob("*.jsonl")
+    return result.stdout, read_rows(raw)[1]
 
 
 def table_rows(stdout, first_cell):
@@ -40,7 +49,7 @@ def test_attention_smoke_writes_rows(tmp_path):
 @pytest.mark.slow
 def test_train_step_smoke_compares_fat5_with_transformers_t5(tmp_path):
     stdout, rows = run_smoke("train_step.py", tmp_path)
-    assert "max|logits - T5 eager logits| / max|logits|" in stdout
+    assert "max|logits - T5 eager fp32 logits| / max|logits|" in stdout
     ok = {(r["implementation"], r["L"]) for r in rows if r["status"] == "ok"}
     assert ok >= {("fat5", 16), ("fat5", 32), ("t5_eager", 16), ("t5_eager", 32)}
     for row in rows:
@@ -69,7 +78,25 @@ def test_generate_smoke_compares_fat5_with_transformers_t5(tmp_path):
                 assert row["same_tokens_as_fat5"] is True
     # A peer that cannot run here (transformers 4.57 has no SDPA T5) is an error row with its message, not a crash.
     assert all(r["status"] == "ok" or r["status"].startswith("error: ") for r in rows)
-    best = table_rows(stdout, "1 | best") + table_rows(stdout, "2 | best")
+    assert {row["encoder_length"] for row in rows} == {16}
+    assert all(row["ms_per_token"] > 0 for row in rows if row["status"] == "ok")
+    best = table_rows(stdout, "16 | 1 | best") + table_rows(stdout, "16 | 2 | best")
+    assert len(best) == 2 and all(line.strip(" |").split(" | ")[-1].endswith("x") for line in best)
+
+
+@pytest.mark.slow
+def test_generate_smoke_times_the_ctranslate2_export_beside_fat5(tmp_path):
+    """CTranslate2 rows (cache "own"): FAT5's model exported by convert/ct2_fat5.py generates FAT5's tokens, and
+    the `best` rows end with FAT5's ratio to it."""
+    pytest.importorskip("ctranslate2")
+    stdout, rows = run_smoke("generate.py", tmp_path, "--impl", "fat5,ct2_fp32,ct2_int8", "--caches", "dynamic")
+    ct2 = {(r["implementation"], r["batch"]): r for r in rows if r["cache"] == "own"}
+    assert set(ct2) == {(name, batch) for name in ("ct2_fp32", "ct2_int8") for batch in (1, 2)}
+    for (name, _), row in ct2.items():
+        assert row["tokens_per_s"] > 0, row
+        if name == "ct2_fp32":  # the same fp32 weights, greedy
+            assert row["status"] == "ok" and row["same_tokens_as_fat5"] is True, row
+    best = table_rows(stdout, "16 | 1 | best") + table_rows(stdout, "16 | 2 | best")
     assert len(best) == 2 and all(line.strip(" |").split(" | ")[-1].endswith("x") for line in best)
 
 
@@ -80,8 +107,8 @@ def test_loss_memory_smoke_run(tmp_path):
     result = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    (output,) = tmp_path.glob("loss_memory_*.json")
-    row = json.loads(output.read_text())
+    (output,) = tmp_path.glob("loss_memory_*.jsonl")
+    row = {key: value for part in read_rows(output)[1] for key, value in part.items()}
     assert set(row["peak_bytes"]) == {"full fp32 logits", "chunked (default)"}
     assert row["chunked_peak_bytes_real_run"] == row["peak_bytes"]["chunked (default)"]
     assert row["loss_relative_difference"] < 1e-5 and row["max_gradient_relative_difference"] < 1e-4
@@ -113,13 +140,17 @@ def test_decode_smoke_run_writes_rows(tmp_path):
     pytest.param("attention.py", ["--decode", "--decode-batches", "one"],
                  "argument --decode-batches: 'one' is not an integer", marks=pytest.mark.slow),
     pytest.param("attention.py", ["--dropout", "1.0"], "--dropout 1.0: must be in [0, 1)", marks=pytest.mark.slow),
-    ("gpu_suite.py", ["--stages", "tests,nope"], "unknown --stages ['tests', 'nope']; choose from attention_decode, "
-     "attention_decoder, attention_decoder_dropout, attention_encoder, attention_encoder_dropout, generate, "
-     "gpu_tests, loss_memory, train_step, train_step_compiled"),
-    pytest.param("gpu_suite.py", ["--timeout", "generate=0"], "--timeout 'generate=0': expected STAGE=SECONDS with "
-                 "STAGE one of attention_decode, attention_decoder, attention_decoder_dropout, attention_encoder, "
-                 "attention_encoder_dropout, generate, gpu_tests, loss_memory, train_step, train_step_compiled",
+    ("gpu_suite.py", ["--call", "1", "--steps", "tests,nope"], "unknown --steps ['tests', 'nope'] for call 1; choose "
+     "from environment, compile, correctness, attention_encoder, attention_decoder, train_step, train_step_flex, "
+     "generate"),
+    pytest.param("gpu_suite.py", ["--call", "2", "--cap", "generate=0"], "--cap 'generate=0': expected STEP=SECONDS "
+                 "with STEP one of environment, compile, attention_dropout, attention_decode, attention_long, "
+                 "train_step_long, generate_compiled, attention_decoder_flex, generate_long, fp32_parity",
                  marks=pytest.mark.slow),
+    ("gpu_suite.py", [], "say which call to run (--call 1 or --call 2), or --goals ARCHIVE..."),
+    ("gpu_suite.py", ["--goals", "missing.tar.gz"], "--goals: no such archive missing.tar.gz"),
+    ("compile_times.py", ["--variants", "enc,fp64"], "unknown --variants ['fp64']; choose from enc, dec, cross, "
+     "enc_mask, packed, fp16_enc, fp16_dec, drop_enc, drop_dec, d128_enc, alibi_enc, fp32_enc, fp32_dec"),
 ])
 def test_bad_flag_is_one_error_line_and_nonzero_exit(tmp_path, script, flags, message):
     output = ["--out", str(tmp_path / "out")] if script == "gpu_suite.py" else ["--out", str(tmp_path)]
@@ -130,25 +161,89 @@ def test_bad_flag_is_one_error_line_and_nonzero_exit(tmp_path, script, flags, me
     assert "Traceback" not in result.stderr and not any(tmp_path.iterdir())  # nothing measured, nothing written
 
 
+def archive_rows(archive):
+    """{step: (header, rows)} of a gpu_suite.py archive, every line of every file whole."""
+    found = {}
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            if member.name.endswith(".jsonl"):
+                header, *rows = [json.loads(line) for line in tar.extractfile(member).read().decode().splitlines()]
+                parts = member.name.split("/")  # callN/suite.jsonl, callN/STEP/FILE.jsonl
+                found[parts[1] if len(parts) == 3 else "suite"] = header, rows
+    return found
+
+
+def suite(*flags):
+    return [sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--smoke", "--wheels", "no-wheels", *flags]
+
+
 @pytest.mark.slow
-def test_gpu_suite_smoke_isolates_stages_collects_and_ends_with_the_goal_table(tmp_path):
-    """Two cheap stages, one of them timed out: the other still runs, and --out collects its results."""
+def test_gpu_plan_runs_end_to_end_at_smoke_sizes(tmp_path):
+    """Both calls of the plan at once on CPU (as on a GPU they run one after the other, into the same $OUT): every
+    step runs and writes rows, each call leaves exactly its three files, and --goals reads both archives."""
     results_before = (BENCHMARKS / "RESULTS.md").read_text()
-    out = tmp_path / "collected"
-    result = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--smoke", "--out", str(out),
-                             "--stages", "attention_decode,loss_memory", "--timeout", "attention_decode=1",
-                             "--wheels", str(tmp_path / "no-wheels")], capture_output=True, text=True, timeout=600)
+    out = tmp_path / "out"
+    calls = [subprocess.Popen(suite("--call", call, "--out", str(out)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for call in ("1", "2")]
+    outputs = [call.communicate(timeout=900)[0] for call in calls]
+    assert [call.returncode for call in calls] == [0, 0], outputs
+    assert "wheels: none in no-wheels" in outputs[0]
+    assert sorted(path.name for path in out.iterdir()) == [
+        f"call{call}{suffix}" for call in (1, 2) for suffix in ("-goals.md", "-rows.tar.gz", ".log")]
+    sys.path.insert(0, str(BENCHMARKS))
+    import gpu_suite
+
+    for call in (1, 2):
+        found = archive_rows(out / f"call{call}-rows.tar.gz")
+        steps = [step.name for step in gpu_suite.call_steps(call)]
+        assert [(row["step"], row["status"]) for row in found["suite"][1]] == [(step, "ok") for step in steps]
+        assert set(found) == {"suite", *steps}
+        for step in steps:
+            header, rows = found[step]
+            assert "benchmark" in header and rows, step  # the tests' steps: every GPU test skipped on CPU, a row each
+        assert all(row["outcome"] == "skipped" for row in found["correctness" if call == 1 else "fp32_parity"][1])
+        assert (out / f"call{call}-goals.md").read_text().count("\n| ") == 2 + 15
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--goals",
+                             str(out / "call1-rows.tar.gz"), str(out / "call2-rows.tar.gz")],
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "[attention_decode] timeout after 1 s" in result.stdout
-    assert "[loss_memory] ok" in result.stdout
-    table = result.stdout[result.stdout.index("| goal | figure | status |"):].splitlines()
-    lines = [line for line in table if line.startswith("|")][2:]
-    assert len(lines) == 12 and all(line.endswith(("| met |", "| MISSED |", "| not measured |")) for line in lines)
-    assert {path.name for path in out.iterdir()} >= {"results.json", "tables.md", "suite.log"}
-    document = json.loads((out / "results.json").read_text())
-    (rows_file,) = document["stages"]["loss_memory"]
-    assert rows_file.startswith("loss_memory_") and len(document["goals"]) == 12
-    assert (BENCHMARKS / "RESULTS.md").read_text() == results_before  # a smoke run writes nothing in the tree
+    lines = [line for line in result.stdout.splitlines() if line.startswith("| ")][2:]
+    assert len(lines) == 15 and all(line.endswith(("| met |", "| MISSED |", "| not measured |")) for line in lines)
+    assert "call 1 train_step_flex ok" in result.stdout and "call 2 fp32_parity ok" in result.stdout
+    assert (BENCHMARKS / "RESULTS.md").read_text() == results_before  # nothing is written into the checkout
+
+
+@pytest.mark.slow
+def test_gpu_plan_keeps_every_row_when_a_step_is_killed(tmp_path):
+    """A step killed in the middle (SIGKILL of its process once it has written a row) and a step over its cap
+    (1 s) lose only themselves: the rows written before, the earlier steps' rows and the three packed files stay
+    whole, and the call goes on to its end."""
+    out = tmp_path / "out"
+    call = subprocess.Popen(suite("--call", "1", "--out", str(out), "--steps", "environment,attention_decoder,"
+                                  "train_step", "--cap", "train_step=1"), stdout=subprocess.DEVNULL)
+    log, deadline = out / "call1.log", time.monotonic() + 600
+    rows_file = pid = None
+    while rows_file is None or len(rows_file.read_text().splitlines()) < 2:
+        assert time.monotonic() < deadline and call.poll() is None, "attention_decoder wrote no row"
+        time.sleep(0.2)
+        text = log.read_text() if log.exists() else ""
+        if "===== attention_decoder" in text:
+            step = text[text.index("===== attention_decoder"):]
+            pid = int(re.search(r"^pid (\d+)$", step, re.M).group(1)) if re.search(r"^pid ", step, re.M) else None
+            found = re.search(r"^rows: (.+\.jsonl)$", step, re.M)
+            rows_file = Path(found.group(1)) if found else None
+    os.kill(pid, signal.SIGKILL)
+    written = rows_file.read_text().splitlines()
+    assert call.wait(timeout=600) == 0
+    assert sorted(path.name for path in out.iterdir()) == ["call1-goals.md", "call1-rows.tar.gz", "call1.log"]
+    found = archive_rows(out / "call1-rows.tar.gz")
+    assert [(row["step"], row["status"]) for row in found["suite"][1]] == [
+        ("environment", "ok"), ("attention_decoder", "killed by signal 9"), ("train_step", "timeout after 1 s")]
+    assert len(found["environment"][1]) == 1
+    rows = found["attention_decoder"][1]
+    assert len(rows) >= 1 and rows == [json.loads(line) for line in written[1:]]
+    assert "| goal | figure | status |" in (out / "call1-goals.md").read_text()
+    assert "train_step: timeout after 1 s" in log.read_text()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without CUDA answers")
@@ -156,11 +251,14 @@ def test_gpu_suite_smoke_isolates_stages_collects_and_ends_with_the_goal_table(t
     ("attention.py", "run --smoke (it checks the script in Triton's interpreter)"),
     *(pytest.param(script, "run --smoke (it checks the script), or --allow-cpu with smaller sizes",
                    marks=pytest.mark.slow) for script in ("train_step.py", "generate.py")),
-    pytest.param("gpu_suite.py", "run --smoke (it checks the suite itself)", marks=pytest.mark.slow),
+    pytest.param("gpu_suite.py", "run --smoke (it checks the plan itself)", marks=pytest.mark.slow),
+    pytest.param("compile_times.py", "run --smoke (it checks the script in Triton's interpreter)",
+                 marks=pytest.mark.slow),
 ])
 def test_default_run_without_a_gpu_says_what_to_run_instead(tmp_path, script, instead):
-    result = subprocess.run([sys.executable, str(BENCHMARKS / script), "--out", str(tmp_path)], capture_output=True,
-                            text=True, timeout=120, cwd=tmp_path)
+    call = ["--call", "1"] if script == "gpu_suite.py" else []
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), *call, "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.splitlines() == [f"{script}: needs a CUDA GPU; on CPU {instead}"], result.stderr[-3000:]
     assert not any(tmp_path.iterdir())  # nothing measured, nothing written
@@ -213,49 +311,64 @@ def test_generate_reports_other_tokens_as_a_mismatch():
     assert generate.token_mismatch(other, fat5) == \
         "mismatch: tokens differ from FAT5's in 1 of 2 rows, from new token 3"
     # The row keeps its speed (as many tokens were generated), and the table marks it.
-    row = dict(implementation="t5_eager", cache="dynamic", batch=2, tokens_per_s=50.0, status="mismatch: ...")
-    ours = dict(implementation="fat5", cache="dynamic", batch=2, tokens_per_s=100.0, status="ok")
-    args = SimpleNamespace(shape={}, dtype="bfloat16", encoder_length=8, new_tokens=3, batches=[2],
+    row = dict(implementation="t5_eager", cache="dynamic", batch=2, encoder_length=8, tokens_per_s=50.0,
+               status="mismatch: ...")
+    ours = dict(implementation="fat5", cache="dynamic", batch=2, encoder_length=8, tokens_per_s=100.0, status="ok")
+    args = SimpleNamespace(shape={}, dtype="bfloat16", encoder_lengths=[8], new_tokens=3, batches=[2],
                            caches=["dynamic"], impl=["fat5", "t5_eager"])
     table = generate.markdown([ours, row], args)
-    assert "| 2 | dynamic | 100 | 50* | 2.00x |" in table and "`*`: mismatch" in table
+    assert "| 8 | 2 | dynamic | 100 | 50* | 2.00x |" in table and "`*`: mismatch" in table
 
 
 def test_gpu_suite_goals_from_rows():
     sys.path.insert(0, str(BENCHMARKS))
     import gpu_suite
 
-    def attention(name, length, passes, tflops):
-        return dict(implementation=name, L=length, causal=False, status="ok", **{"pass": passes}, tflops=tflops)
+    def attention(name, length, passes, tflops, causal=False, peak=None, status="ok"):
+        return dict(implementation=name, L=length, causal=causal, status=status, **{"pass": passes}, tflops=tflops,
+                    peak_mib=peak)
 
-    rows = [attention("fat5", 512, "fwd+bwd", 210), attention("fat5", 2048, "fwd", 360),
-            attention("fat5", 2048, "fwd+bwd", 250), attention("flex_lut", 2048, "fwd", 150),
-            attention("flex_lut", 2048, "fwd+bwd", 100), attention("flex_lut", 512, "fwd+bwd", 120)]
-    statuses = [goal["status"] for goal in gpu_suite.kernel_goals(rows)]
-    assert statuses == ["met", "MISSED", "met", "MISSED"]  # 250 < 280; 210 / 120 < 2
-    assert [goal["status"] for goal in gpu_suite.kernel_goals([])] == ["not measured"] * 4
+    rows = [attention("fat5", 512, "fwd+bwd", 210, peak=100), attention("fat5", 2048, "fwd", 360),
+            attention("fat5", 2048, "fwd+bwd", 250, peak=110), attention("flex_lut", 2048, "fwd", 150),
+            attention("sdpa_cudnn_bias", 2048, "fwd", 300), attention("flex_lut", 2048, "fwd+bwd", 100),
+            attention("flex_lut", 512, "fwd+bwd", 120), attention("sdpa_nobias", 2048, "fwd", 400),
+            attention("sdpa_efficient_bias", 512, "fwd+bwd", 1000, status="mismatch: max|out - fat5| = 1")]
+    goals = gpu_suite.kernel_goals(rows)
+    # 250 < 280; the best T5-capable peer at 2048 fwd is cuDNN's (360 / 300), the lowest ratio 210 / 120; a
+    # mismatching peer is no peer; 360 / 400 >= 0.85; memory 110 / 100 MiB.
+    assert [goal["status"] for goal in goals] == ["met", "MISSED", "met", "met", "met", "met"]
+    assert goals[0]["figure"] == "360 (L 2048 encoder fwd)" and goals[3]["figure"].startswith("1.2x (L 2048 encoder")
+    assert goals[5]["figure"].startswith("1.10x")
+    assert [goal["status"] for goal in gpu_suite.kernel_goals([])] == ["not measured"] * 6
 
     dropout_rows = [attention("fat5", 2048, "fwd+bwd", 160), attention("fat5_nodropout", 2048, "fwd+bwd", 200),
                     attention("sdpa_dense_bias", 2048, "fwd+bwd", 20), attention("fat5", 512, "fwd+bwd", 100),
                     attention("fat5_nodropout", 512, "fwd+bwd", 150), attention("sdpa_dense_bias", 512, "fwd+bwd", 25)]
     goals = gpu_suite.dropout_goals(dropout_rows)
     assert [goal["status"] for goal in goals] == ["MISSED", "MISSED"]  # 100 / 25 < 5; 100 / 150 < 0.75
-    assert [goal["figure"] for goal in goals] == ["4.00x", "0.67x"]
+    assert [goal["figure"] for goal in goals] == ["4.00x (L 512)", "0.67x (L 512)"]
     assert [goal["status"] for goal in gpu_suite.dropout_goals(dropout_rows[:3])] == ["met", "met"]
     assert [goal["status"] for goal in gpu_suite.dropout_goals([])] == ["not measured"] * 2
 
-    def train(name, length, tokens_per_s, status="ok"):
-        return dict(implementation=name, L=length, tokens_per_s=tokens_per_s, status=status)
+    def train(name, length, tokens_per_s, status="ok", batch=1):
+        return dict(implementation=name, L=length, batch=batch, tokens_per_s=tokens_per_s, peak_mib=1, status=status)
 
     train_rows = [train("fat5", 512, 300), train("fat5+compile", 512, 400), train("t5_sdpa", 512, 100),
                   train("t5_flex", 512, 100), train("fat5", 4096, 300), train("t5_sdpa+compile", 4096, 100),
-                  train("fat5", 32768, 50)]
-    generate_rows = [dict(implementation="fat5", batch=1, tokens_per_s=90, status="ok"),
-                     dict(implementation="t5_eager", batch=1, tokens_per_s=50, status="ok")]
+                  train("t5_flex", 4096, 900, status="mismatch: relative logit difference 1"), train("fat5", 32768, 50)]
+    generate_rows = [dict(implementation="fat5", batch=1, encoder_length=512, tokens_per_s=90, status="ok"),
+                     dict(implementation="t5_sdpa", batch=1, encoder_length=512, tokens_per_s=50, status="ok")]
     goals = gpu_suite.model_goals(train_rows, generate_rows)
-    assert [goal["status"] for goal in goals] == ["met", "met", "MISSED", "met", "MISSED"]
-    assert goals[1]["figure"] == "4.00x" and goals[2]["figure"] == "3.00x"
-    assert [goal["status"] for goal in gpu_suite.model_goals([], [])] == ["not measured"] * 5
+    assert [goal["status"] for goal in goals] == ["met", "MISSED", "met", "MISSED"]
+    assert goals[0]["figure"] == "4.00x (against t5_flex, t5_sdpa)" and goals[1]["figure"].startswith("3.00x")
+    assert [goal["status"] for goal in gpu_suite.model_goals([], [])] == ["not measured"] * 4
+    assert gpu_suite.model_goals([train("fat5", 32768, None, status="oom")], [])[2]["status"] == "MISSED"
     # A peer whose tokens differ generated as many: its speed still counts against FAT5's.
     generate_rows[1]["status"] = "mismatch: tokens differ from FAT5's in 1 of 1 rows, from new token 7"
-    assert gpu_suite.model_goals(train_rows, generate_rows)[4]["figure"] == "1.80x"
+    assert gpu_suite.model_goals(train_rows, generate_rows)[3]["figure"] == "1.80x (batch 1, encoder 512)"
+
+    tests = [dict(test="a.py::x", outcome="passed"), dict(test="a.py::y[bf16]", outcome="failed"),
+             dict(test="a.py::z", outcome="skipped")]
+    assert gpu_suite.tests_goal("tests", tests) == dict(goal="tests", figure="1 passed, 1 failed (y[bf16])",
+                                                        status="MISSED")
+    assert gpu_suite.tests_goal("tests", tests[2:])["status"] == "not measured"

@@ -1,57 +1,18 @@
-"""fat5/training/flags.py reads a command line before torch and transformers load; HfArgumentParser reads it again
-once they have. The two must agree under every tested transformers: on the command's own flags and on their values,
-and on the Trainer's flag names and types (tests/test_trainer_flags.py)."""
+"""The Trainer commands' flags are read by transformers' HfArgumentParser (fat5/training/flags.py), from the command
+line or a flags file, and every value no run can use is one `error:` line, exit status 2, before any model loads: a
+non-finite or negative learning rate, a batch of 0, no accumulation steps, a negative worker count, a step count that
+is not an integer, a non-UTF-8 output folder name, ... (tests/test_commands.py: --help before torch loads)."""
 
-import dataclasses
+import json
 import re
 
 import pytest
-from test_trainer_flags import options_of
-from transformers import HfArgumentParser
 
-from fat5.cli import CommandError
 from fat5.recipes import classify, predict, summarization, train, translation
-from fat5.recipes.command import recipe_flags
 from fat5.training import pretrain, pretraining
-from fat5.training.flags import trainer_fields
 
 RECIPES = {"train": train, "translation": translation, "summarization": summarization, "classify": classify}
-
-
-def command_flags():
-    flags = {name: recipe_flags(module.RECIPE, name, module.__doc__) for name, module in RECIPES.items()}
-    return {**flags, "predict": predict.FLAGS, "pretrain": pretrain.FLAGS}
-
-
-# Own flags of every type the commands use, spelled both ways (--a_b and --a-b).
-SAMPLES = {
-    "recipe": [["--model_name_or_path", "m"],
-               ["--model-name-or-path", "m", "--lora", "--lora_r", "4", "--lora-dropout", "0.1", "--merge_lora",
-                "false", "--max_source_length", "7", "--max-train-samples", "3", "--source_prefix", "x: ",
-                "--tsv_quoting", "csv", "--overwrite_output_dir", "--resume-with-changed-settings", "yes"]],
-    "predict": [["--model", "m", "--input_file", "i.csv", "--output_file", "o.csv"],
-                ["--model", "m", "--input-file", "i.csv", "--output_file", "o.csv", "--num_beams", "3",
-                 "--length_penalty", "0.5", "--reference_column", "target", "--max_field_chars", "9"]],
-    "pretrain": [[], ["--train_files", "a.txt", "b/", "--z_loss", "0.5", "--resize_embeddings", "--packing", "off",
-                      "--mixture", "t5", "--tokenizer-vocab-size", "100", "--optimizer", "adamw"]],
-}
-
-
-@pytest.mark.parametrize("command", list(command_flags()))
-def test_own_flags_read_as_hf_argument_parser_reads_them(command, tmp_path, monkeypatch):
-    """Same options, and the same values for each sample command line (the checks of the dataclasses included)."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text("{}")
-    flags = command_flags()[command]
-    own = [dataclass_type for _, dataclass_type in flags.groups]
-    light = flags.parser(trainer_fields(flags.trainer) if flags.trainer else {})
-    full = HfArgumentParser(own)
-    assert options_of(full) <= options_of(light)
-    samples = SAMPLES["recipe" if command in RECIPES else command]
-    for argv in samples:
-        expected = [dataclasses.asdict(values) for values in full.parse_args_into_dataclasses(argv)]
-        assert [dataclasses.asdict(values) for values in flags.check(argv)] == expected, argv
+COMMANDS = {**RECIPES, "pretrain": pretrain}
 
 
 def test_the_recipes_say_the_generation_length_they_use():
@@ -75,22 +36,85 @@ def test_pretraining_says_and_uses_its_own_learning_rate_defaults(tmp_path):
         assert pretraining.parse_args([*base, flag, "3e-3"])[1].learning_rate == 3e-3
 
 
-BAD_TRAINER_VALUES = [(["--learning_rate", "abc"], "invalid float value: 'abc'"),
-                      (["--max-steps", "2.5"], "invalid int value: '2.5'"),
-                      (["--bf16", "maybe"], "Truthy value expected")]
+BAD_VALUES = [
+    (["--learning_rate", "nan"], "--learning_rate nan: must be a finite number"),
+    (["--learning_rate", "inf"], "--learning_rate inf: must be a finite number"),
+    (["--learning_rate", "-1"], "--learning_rate -1.0: must be 0 or more"),
+    (["--learning_rate", "abc"], "argument --learning_rate/--learning-rate: invalid float value: 'abc'"),
+    (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps 0: must be at least 1"),
+    (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be at least 1"),
+    (["--dataloader_num_workers", "-1"], "--dataloader_num_workers -1: must be 0 or more"),
+    (["--max-steps", "2.5"], "invalid int value: '2.5'"),
+    (["--max_steps", "0"], "--max_steps 0: must be at least 1 (or -1: train --num_train_epochs)"),
+    (["--weight_decay", "nan"], "--weight_decay nan: must be a finite number"),
+    (["--adam_beta1", "1.5"], "--adam_beta1 1.5: must be below 1"),
+    (["--adam_epsilon", "0"], "--adam_epsilon 0.0: must be more than 0"),
+    (["--max_grad_norm", "-1"], "--max_grad_norm -1.0: must be 0 or more"),
+    (["--save_steps", "nan"], "--save_steps nan: must be a finite number"),
+    (["--bf16", "maybe"], "Truthy value expected"),
+    (["--no-such-flag"], "Some specified arguments are not used by the HfArgumentParser: ['--no-such-flag']"),
+]
+
+
+def command_line(command, tmp_path, *more):
+    """A command line that gets `command` as far as its flags (its model folder is no model: nothing loads)."""
+    (tmp_path / "m").mkdir(exist_ok=True)
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "t.csv").write_text("source,target\na,b\n")
+    if command == "pretrain":
+        base = ["--train_files", tmp_path / "t.csv", "--max_steps", 2]
+    else:
+        base = ["--model_name_or_path", tmp_path / "m", "--do_train", "--train_file", tmp_path / "t.csv"]
+    return [str(arg) for arg in (*base, "--output_dir", tmp_path / "out", *more)]
+
+
+def one_error_line(capsys, main, argv):
+    capsys.readouterr()
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+@pytest.mark.parametrize("flags, says", BAD_VALUES, ids=[" ".join(flags) for flags, _ in BAD_VALUES])
+def test_a_trainer_value_no_run_can_use_is_one_line_before_anything_loads(command, flags, says, tmp_path, capsys):
+    line = one_error_line(capsys, COMMANDS[command].main, command_line(command, tmp_path, *flags))
+    assert says in line, line
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("command", ["train", "pretrain"])
-@pytest.mark.parametrize("argv, says", BAD_TRAINER_VALUES, ids=[argv[0] for argv, _ in BAD_TRAINER_VALUES])
-def test_a_bad_value_of_a_typed_trainer_flag_is_refused_by_the_light_parser(command, argv, says, tmp_path,
-                                                                           monkeypatch):
-    """The light parser's line, as HfArgumentParser would word it (before torch and transformers load:
-    tests/test_commands.py); a good value of the same flags passes."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text("{}")
-    flags = command_flags()[command]
-    base = ["--model_name_or_path", "m"] if command in RECIPES else []
-    with pytest.raises(CommandError, match=re.escape(says)):
-        flags.check([*base, *argv])
-    flags.check([*base, "--learning_rate", "3e-4", "--max_steps", "2", "--bf16", "--bf16", "no"])
+def test_a_flags_file_is_read_as_the_command_line(command, tmp_path, capsys):
+    """A flags file's values are checked as the command line's are: a string where a number belongs, a number
+    that is impossible, a key no flag has."""
+    argv = command_line(command, tmp_path)
+    flags = {argv[index][2:]: argv[index + 1] for index in range(0, len(argv), 2) if argv[index] != "--do_train"} \
+        if command == "pretrain" else {"model_name_or_path": argv[1], "do_train": True, "train_file": argv[4],
+                                       "output_dir": argv[6]}
+    for more, says in [({"max_steps": "two"}, "argument --max_steps/--max-steps: invalid int value: 'two'"),
+                       ({"max_steps": 2.5}, "invalid int value: '2.5'"),
+                       ({"learning_rate": -1}, "--learning_rate -1.0: must be 0 or more"),
+                       ({"gradient_accumulation_steps": 0}, "--gradient_accumulation_steps 0: must be at least 1"),
+                       ({"max_step": 2}, "names flags this command does not have: max_step")]:
+        (tmp_path / "flags.json").write_text(json.dumps({**flags, **more}))
+        line = one_error_line(capsys, COMMANDS[command].main, [str(tmp_path / "flags.json")])
+        assert says in line, line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "pretrain"])
+def test_an_output_folder_name_that_is_not_utf8_is_refused_before_training(command, tmp_path, capsys):
+    """Not trained, then failing in the final save (transformers writes the name into JSON and the model card)."""
+    name = str(tmp_path / b"out\xff".decode("utf-8", "surrogateescape"))
+    argv = command_line(command, tmp_path)
+    argv[argv.index("--output_dir") + 1] = name
+    line = one_error_line(capsys, COMMANDS[command].main, argv)
+    assert re.fullmatch(r"error: --output_dir .*out\\xff: the name is not UTF-8 text, which the run's JSON files and "
+                        r"model card must hold; choose a UTF-8 name", line), line
+
+
+def test_predict_reads_its_flags_with_hf_argument_parser(tmp_path, capsys):
+    line = one_error_line(capsys, predict.main, ["--model", tmp_path, "--input_file", tmp_path / "i.csv",
+                                                 "--output_file", tmp_path / "o.csv", "--num_beams", "x"])
+    assert "argument --num_beams/--num-beams: invalid int value: 'x'" in line

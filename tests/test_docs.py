@@ -80,14 +80,14 @@ COVERED_BY = {
         "tests/test_benchmark_smoke.py::test_loss_memory_smoke_run",
     "fat5 bench train_step --smoke --out bench-results":
         "tests/test_benchmark_smoke.py::test_train_step_smoke_compares_fat5_with_transformers_t5",
-    "python benchmarks/gpu_suite.py --smoke --out bench-results/suite":
-        "tests/test_benchmark_smoke.py::test_gpu_suite_smoke_isolates_stages_collects_and_ends_with_the_goal_table",
+    "python benchmarks/gpu_suite.py --smoke --call 1 --out bench-results/suite":
+        "tests/test_benchmark_smoke.py::test_gpu_plan_runs_end_to_end_at_smoke_sizes",
 }
 
 NOT_RUN = {
-    "python benchmarks/gpu_suite.py --out gpu-results --update-results":
-        ("needs a CUDA GPU (about 24 minutes on an H100)",
-         "tests/test_benchmark_smoke.py::test_default_run_without_a_gpu_says_what_to_run_instead"),
+    "python benchmarks/gpu_suite.py --goals gpu-results/call1-rows.tar.gz gpu-results/call2-rows.tar.gz "
+    "--update-results": ("needs the archives a GPU's two calls bring back, and appends to RESULTS.md",
+                         "tests/test_benchmark_smoke.py::test_gpu_plan_runs_end_to_end_at_smoke_sizes"),
     "python scripts/fetch_gpu_wheels.py": ("downloads wheels from PyPI", None),
     "python -m pytest -q -m gpu": (
         "needs CUDA (every test skips without it); a reduced variant of each runs in the default tier",

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,8 +175,8 @@ def test_a_checkpoint_killed_while_saved_is_never_resumed(tiny, tmp_path):
     killed = subprocess.run([sys.executable, "-c", textwrap.dedent(KILLED_DURING_SAVE), *flags], cwd=REPO, env=ENV,
                             capture_output=True, text=True, timeout=600, check=False)
     assert killed.returncode == -signal.SIGKILL
-    assert (out / "checkpoint-2").is_dir() and not (out / "checkpoint-4").exists()
-    assert (out / ".checkpoint-4.partial").is_dir()  # what the killed save left
+    assert read_record(out / "checkpoint-2") is not None
+    assert (out / "checkpoint-4").is_dir() and read_record(out / "checkpoint-4") is None  # what the killed save left
     resumed = run_pretrain(*flags, "--resume_from_checkpoint", "latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert sorted(path.name for path in out.iterdir() if "checkpoint" in path.name) == [
@@ -191,7 +192,7 @@ def test_ctrl_c_says_what_the_folder_holds(tiny, tmp_path):
                                 *tiny_flags(tiny, out, 100000)],
                                cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
-    while not (out / "checkpoint-2").is_dir() and process.poll() is None and time.monotonic() < deadline:
+    while read_record(out / "checkpoint-2") is None and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
@@ -216,7 +217,7 @@ def test_sigterm_says_what_the_folder_holds(tiny, tmp_path, to_the_group):
                                start_new_session=True)
     try:
         deadline = time.monotonic() + 300
-        while not (out / "checkpoint-2").is_dir() and process.poll() is None and time.monotonic() < deadline:
+        while read_record(out / "checkpoint-2") is None and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert process.poll() is None, process.stderr.read()[-3000:]
         (os.killpg if to_the_group else os.kill)(process.pid, signal.SIGTERM)
@@ -348,6 +349,64 @@ def test_overwrite_deletes_only_what_the_earlier_run_wrote(tiny, tmp_path, capsy
     line = one_error_line(capsys, tiny_flags(tiny, mine, 2, "--overwrite_output_dir"))
     assert "holds files that are not a FAT5 run's: --overwrite_output_dir deletes only what a FAT5 run wrote" in line
     assert sorted(path.name for path in mine.iterdir()) == ["data.bin"]
+
+
+def test_overwrite_never_deletes_what_the_run_would_resume_or_start_from(tiny, tmp_path, capsys):
+    """--overwrite_output_dir with --resume_from_checkpoint latest, last or a checkpoint of the folder (under any
+    path to it), or with another path to the folder as --model_name_or_path: one line, every file kept."""
+    out = tmp_path / "run"
+    assert pretrain_main(tiny_flags(tiny, out, 2)) == 0
+    files = sorted(str(path.relative_to(out)) for path in out.rglob("*"))
+    alias = tmp_path / "alias"
+    alias.symlink_to(out)
+    for resume in ("latest", "last", str(out / "checkpoint-2"), str(alias / "checkpoint-2")):
+        line = one_error_line(capsys, tiny_flags(tiny, out, 2, "--overwrite_output_dir", "--resume_from_checkpoint",
+                                                 resume))
+        assert line.startswith(f"error: --overwrite_output_dir would delete what --resume_from_checkpoint {resume} "
+                               f"continues from in {out}: pass only one"), line
+    line = one_error_line(capsys, tiny_flags(tiny, out, 2, "--overwrite_output_dir", "--model_name_or_path", alias))
+    assert f"--model_name_or_path {alias} is --output_dir {out} itself" in line
+    assert sorted(str(path.relative_to(out)) for path in out.rglob("*")) == files
+
+
+def test_a_start_with_a_nan_weight_is_refused_and_a_nan_gradient_stops_the_run(tiny, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "run"
+    assert pretrain_main(tiny_flags(tiny, out, 2)) == 0
+    start = tmp_path / "start"
+    shutil.copytree(out, start, ignore=shutil.ignore_patterns("checkpoint-*", RECORD_NAME, ".fat5_run.lock"))
+    weights = load_file(start / "model.safetensors")
+    name = sorted(weights)[0]
+    weights[name].view(-1)[1] = float("inf")
+    save_file(weights, start / "model.safetensors", metadata={"format": "pt"})
+    flags = tiny_flags(tiny, tmp_path / "continued", 2, "--model_name_or_path", start)
+    line = one_error_line(capsys, flags)
+    assert line == f"error: --model_name_or_path {start}: {name} holds 1 infinite value, so it computes nothing " \
+                   f"useful; pass --allow_non_finite to use it anyway"
+    assert not (tmp_path / "continued").exists()
+    # Weights that overflow after the first step: the second step's gradient is NaN, the run stops before it.
+    diverged = tmp_path / "diverged"
+    capsys.readouterr()
+    assert pretrain_main(tiny_flags(tiny, diverged, 6, "--save_steps", 1, "--learning_rate", 1e30)) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: training stopped at step 2: the gradient norm is nan; nothing from this step on was saved (pass "
+        f"--allow_non_finite to train on non-finite values); {diverged} holds checkpoint-1, this run's last complete "
+        f"checkpoint (continue with --resume_from_checkpoint latest)")
+    assert sorted(path.name for path in diverged.glob("checkpoint-*")) == ["checkpoint-1"]
+    assert not (diverged / "model.safetensors").exists()
+
+
+def test_a_pipe_is_no_corpus_file(tiny, tmp_path, capsys):
+    """/dev/stdin or a FIFO cannot be read pass after pass: one true line, not "no corpus file"."""
+    fifo = tmp_path / "corpus.fifo"
+    os.mkfifo(fifo)
+    for corpus in (fifo, "/dev/stdin"):
+        if not os.path.exists(corpus) or Path(corpus).is_file():
+            continue  # a test run whose standard input is a file
+        line = one_error_line(capsys, tiny_flags(tiny, tmp_path / "o", 2, corpus=corpus))
+        assert line.startswith(f"error: --train_files {corpus} is not a regular file (a pipe, a device or a socket, "
+                               f"such as /dev/stdin): the corpus is read again for each pass"), line
 
 
 def test_another_batch_shape_continues_the_stream_by_examples(tiny, tmp_path, capsys, monkeypatch):

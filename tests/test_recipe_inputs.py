@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from fat5.cli import CommandError
 from fat5.recipes import classify, predict, summarization, train, translation
-from fat5.recipes.data import JsonText, read_table
+from fat5.recipes.data import read_table
 from fat5.recipes.runner import one_line_worker_errors
 
 NO_MODEL = "no-model-is-loaded"
@@ -164,7 +164,7 @@ def jsonl_text(*rows):
     (".json", '[{"source": "a",\n"target": "x"}, {"source": "b",\n"target": "\u00e9"}]', ":3:",
      "not UTF-8 text (byte 0xe9)"),
     (".csv", "s\x00o\x00u\x00r\x00c\x00e\x00,\x00t\x00\n\x00", ":1:", "a NUL byte (UTF-16 text?)"),
-    (".json", "[" * 100_000, " row 1:", "nested too deeply"),
+    (".json", "[" * 100_000, ":", "nested too deeply"),
 ])
 def test_json_and_encoding_errors_name_their_line(tmp_path, capsys, suffix, text, where, says):
     data = write(tmp_path / f"train{suffix}", text, encoding="latin-1" if "UTF-8" in says else "utf-8")
@@ -182,10 +182,9 @@ def test_byte_order_mark_is_read_at_the_start_only(tmp_path, suffix):
     assert table.columns == {"source": ["\ufeffa"], "target": ["x"]}
 
 
-def test_json_list_is_read_a_chunk_at_a_time(tmp_path, monkeypatch, capsys):
-    """A .json is parsed an object at a time from a buffer of about one row: rows cut by a chunk's end, long rows
-    and escapes read as json.loads reads them, and an error still names its line."""
-    monkeypatch.setattr(JsonText, "CHUNK", 16)
+def test_json_list_is_read_as_json_reads_it(tmp_path, capsys):
+    """A .json is read by json itself: long rows and escapes read as json.loads reads them, and an error names its
+    line."""
     rows = [{"source": f"the {'very ' * row} old cat \u00e9\U0001f600\n\"{row}\"", "target": "x", "n": row * 1.5}
             for row in range(12)]
     for text in (json.dumps(rows), json.dumps(rows, indent=2, ensure_ascii=False)):
@@ -400,13 +399,22 @@ def test_predict_never_overwrites_its_input_or_a_folder(tmp_path, capsys, pairs,
     assert {path: path.read_bytes() for path in model_files} == model_files
 
 
+class FakePipeline:
+    """What predict uses of a text2text-generation pipeline: its model, and a call that says " le chat"."""
+
+    def __init__(self, weight=1.0):
+        self.model = torch.nn.Linear(2, 1)
+        with torch.no_grad():
+            self.model.weight[0, 1] = weight
+
+    def __call__(self, texts, **flags):
+        return [{"generated_text": " le chat"} for _ in texts]
+
+
 def test_predict_writes_references_as_written(tmp_path, capsys, model_folder, monkeypatch):
     import transformers
 
-    def pipeline(*args, **kwargs):
-        return lambda texts, **flags: [{"generated_text": " le chat"} for _ in texts]
-
-    monkeypatch.setattr(transformers, "pipeline", pipeline)
+    monkeypatch.setattr(transformers, "pipeline", lambda *args, **kwargs: FakePipeline())
     data = write(tmp_path / "test.tsv", "source\ttarget\nthe cat\t le chat \nthe dog\tle chien\n")
     argv = ["--model", model_folder, "--input_file", data, "--output_file", tmp_path / "out.csv",
             "--reference_column", "target"]
@@ -414,6 +422,19 @@ def test_predict_writes_references_as_written(tmp_path, capsys, model_folder, mo
     # Scored stripped, as the generated text is; written as given.
     assert json.loads(capsys.readouterr().out) == {"accuracy": 0.5}
     assert read_table(tmp_path / "out.csv").columns["reference"] == [" le chat ", "le chien"]
+
+
+def test_predict_refuses_a_model_with_a_nan_weight_naming_it(tmp_path, capsys, model_folder, monkeypatch):
+    """Not a CSV of empty predictions: one line naming the tensor, nothing written."""
+    import transformers
+
+    monkeypatch.setattr(transformers, "pipeline", lambda *args, **kwargs: FakePipeline(float("nan")))
+    data = write(tmp_path / "test.csv", "source\nthe cat\n")
+    line = error_of(capsys, predict.main, ["--model", model_folder, "--input_file", data, "--output_file",
+                                           tmp_path / "out.csv"])
+    assert line == f"error: --model {model_folder}: weight holds 1 NaN value, so it computes nothing useful; predict " \
+                   f"with a checkpoint saved before its training diverged"
+    assert not (tmp_path / "out.csv").exists()
 
 
 # ------------------------------------------------------------------------------------------------ worker errors

@@ -430,7 +430,8 @@ def test_ctrl_c_and_the_run_folder(demo_fat5, data, tmp_path, capsys):
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
-        while not (out / "checkpoint-2").is_dir() and process.poll() is None and time.monotonic() < deadline:
+        while not (out / "checkpoint-2" / "fat5_run.json").is_file() and process.poll() is None \
+                and time.monotonic() < deadline:  # checkpoint-2 complete (marked)
             time.sleep(0.2)
         assert process.poll() is None, process.stderr.read()[-3000:]
         # Even a run that would resume it may not write into a folder in use.
@@ -493,6 +494,65 @@ def test_a_run_never_destroys_or_silently_changes_its_inputs(demo_fat5, data, tm
     assert recipe.main([*args, *TRAINER_FLAGS, "--do_train", *flags, "--resume_from_checkpoint", "last"]) == 0
     assert "this run finished (its final model is there); nothing to do" in capsys.readouterr().out
     assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    # --overwrite_output_dir with a resume from the folder (under any path to it), or another path to the output
+    # folder as the model: refused, nothing deleted.
+    files = sorted(str(path.relative_to(out)) for path in out.rglob("*"))
+    alias = tmp_path / "alias"
+    alias.symlink_to(out)
+    for resume in ("last", "latest", str(out / "checkpoint-2"), str(alias / "checkpoint-2")):
+        line = error_line(capsys, recipe.main, [*args, *TRAINER_FLAGS, "--do_train", *flags, "--overwrite_output_dir",
+                                                "--resume_from_checkpoint", resume])
+        assert line.startswith(f"error: --overwrite_output_dir would delete what --resume_from_checkpoint {resume} "
+                               f"continues from in {out}"), line
+    line = error_line(capsys, train.main, ["--model_name_or_path", str(alias), "--output_dir", str(out),
+                                           "--overwrite_output_dir", "--train_file", data["double_train"],
+                                           "--do_train", "--report_to", "none"])
+    assert f"--model_name_or_path {alias} is --output_dir {out} itself" in line
+    assert sorted(str(path.relative_to(out)) for path in out.rglob("*")) == files
+
+
+def poisoned(folder, into):
+    """A copy of the model folder `folder` in which one weight holds a NaN: (the copy, the weight's name)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, into)
+    weights = load_file(into / "model.safetensors")
+    name = sorted(name for name in weights if name.endswith("layer_norm.weight"))[0]
+    weights[name][0] = float("nan")
+    save_file(weights, into / "model.safetensors", metadata={"format": "pt"})
+    return into, name
+
+
+def test_a_model_with_a_nan_weight_is_refused_naming_it(demo_fat5, data, tmp_path, capsys):
+    """Training or predicting with it: one line naming the tensor, before anything is written; --allow_non_finite
+    trains it anyway (and saves what it trains)."""
+    model, name = poisoned(Path(demo_fat5), tmp_path / "model")
+    args = ["--model_name_or_path", str(model), "--train_file", data["double_train"], "--do_train", *TRAINER_FLAGS]
+    line = error_line(capsys, train.main, [*args, "--output_dir", str(tmp_path / "out")])
+    assert line == f"error: --model_name_or_path {model}: {name} holds 1 NaN value, so it computes nothing useful; " \
+                   f"pass --allow_non_finite to use it anyway"
+    assert not (tmp_path / "out").exists()
+    line = error_line(capsys, predict.main, ["--model", str(model), "--input_file", data["double_test"],
+                                             "--output_file", str(tmp_path / "predictions.csv")])
+    assert line.startswith(f"error: --model {model}: {name} holds 1 NaN value") and \
+        not (tmp_path / "predictions.csv").exists()
+    assert train.main([*args, "--output_dir", str(tmp_path / "allowed"), "--allow_non_finite", "--max_steps",
+                       "1"]) == 0
+
+
+def test_a_run_whose_loss_turns_nan_stops_keeping_its_last_good_checkpoint(demo_fat5, data, tmp_path, capsys):
+    """A learning rate so large that the weights overflow after the first step: the second step's gradient is NaN,
+    and the run stops there with exit status 1 and one line, its checkpoint-1 intact, no final model saved."""
+    out = tmp_path / "out"
+    args = ["--model_name_or_path", demo_fat5, "--train_file", data["double_train"], "--do_train", *TRAINER_FLAGS,
+            "--output_dir", str(out), "--save_strategy", "steps", "--save_steps", "1", "--learning_rate", "1e30"]
+    assert train.main(args) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1] == f"error: training stopped at step 2: the gradient norm is nan; nothing from this step on was " \
+                        f"saved (pass --allow_non_finite to train on non-finite values); {out} holds checkpoint-1, " \
+                        f"this run's last complete checkpoint (continue with --resume_from_checkpoint last)", lines
+    assert sorted(path.name for path in out.glob("checkpoint-*")) == ["checkpoint-1"]
+    assert not (out / "model.safetensors").exists()
 
 
 def test_recipes_say_a_flan_t5_fine_tunes_with_its_own_dropout_on_the_kernel():

@@ -8,17 +8,21 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from fat5.cli import CommandError
+from fat5.cli import CommandError, TrainingDiverged
 from fat5.training.run_folder import (
     LOCK_NAME,
     RECORD_NAME,
+    CheckpointMarks,
     RunFolder,
+    RunFolderArguments,
     RunFolderTrainerMixin,
     RunInput,
     complete_checkpoints,
@@ -51,13 +55,21 @@ class RunTrainer(RunFolderTrainerMixin, Trainer):
     pass
 
 
-def train(folder, steps, resume=None, save_total_limit=None, trainer_class=RunTrainer):
+@dataclass
+class RunArguments(TrainingArguments, RunFolderArguments):
+    pass
+
+
+def train(folder, steps, resume=None, save_total_limit=None, trainer_class=RunTrainer, model=None, callbacks=(),
+          **more):
     torch.manual_seed(0)
-    args = TrainingArguments(output_dir=str(folder), max_steps=steps, save_steps=2, per_device_train_batch_size=4,
-                             report_to="none", disable_tqdm=True, use_cpu=True, save_total_limit=save_total_limit,
-                             learning_rate=0.1, lr_scheduler_type="constant", logging_steps=1,
-                             dataloader_pin_memory=False)
-    trainer = trainer_class(model=TinyRegression(), args=args, train_dataset=Examples())
+    args = RunArguments(output_dir=str(folder), max_steps=steps, save_steps=2, per_device_train_batch_size=4,
+                        report_to="none", disable_tqdm=True, use_cpu=True, save_total_limit=save_total_limit,
+                        learning_rate=0.1, lr_scheduler_type="constant", logging_steps=1, dataloader_pin_memory=False,
+                        **more)
+    trainer = trainer_class(model=model or TinyRegression(), args=args, train_dataset=Examples())
+    for callback in callbacks:  # after the run folder's
+        trainer.add_callback(callback)
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
@@ -73,7 +85,7 @@ def test_checkpoints_are_marked_rotated_and_resumed(tmp_path):
         train(out, 6, save_total_limit=2)
     run_id = read_record(out)["run"]
     assert [path.name for path in complete_checkpoints(out, run_id)] == ["checkpoint-4", "checkpoint-6"]
-    assert read_record(out / "checkpoint-6") == {"run": run_id, "step": 6}
+    assert read_record(out / "checkpoint-6") == {"run": run_id, "step": 6, "saved": 3}
     assert not [path.name for path in out.iterdir() if path.name.startswith(".checkpoint")]
     assert "checkpoint-6, this run's last complete checkpoint" in run_folder.describe()
     # The same run continues: `latest` picks its last complete checkpoint, and training goes on exactly.
@@ -145,11 +157,13 @@ def test_an_interrupted_checkpoint_is_never_resumed_and_is_cleaned(tmp_path, mon
     with pytest.raises(KeyboardInterrupt), RunFolder(out).opened() as run_folder:
         train(out, 6)
     assert "holds checkpoint-2, this run's last complete checkpoint" in run_folder.describe()
-    assert not (out / "checkpoint-4").exists() and (out / ".checkpoint-4.partial" / "checkpoint-4").is_dir()
+    assert not (out / "checkpoint-4").exists()  # what the interrupted save wrote is gone
     monkeypatch.undo()
-    # A checkpoint-N without this run's mark (an older version's interrupted save) is not resumed either.
+    # A checkpoint-N without this run's mark (a killed save, an older version's) is not resumed either.
     (out / "checkpoint-5").mkdir()
     (out / "checkpoint-5" / "config.json").write_text("{}")
+    with pytest.raises(CommandError, match="is not a complete checkpoint of the run"):
+        RunFolder(out, out / "checkpoint-5").open()
     with RunFolder(out, "latest").opened() as run_folder:
         assert run_folder.resume_checkpoint == str(out / "checkpoint-2")
         assert sorted(path.name for path in out.iterdir() if "checkpoint" in path.name) == ["checkpoint-2"]
@@ -285,3 +299,158 @@ def test_a_checkpoint_at_the_last_step_loads_without_training_past_it(tmp_path):
 
     saved = saved or load_file(out / "checkpoint-4" / "model.safetensors")
     assert torch.equal(trainer.model.linear.weight, saved["linear.weight"])
+
+
+# -- another path to the same folder --------------------------------------------------------------------------------
+
+@pytest.fixture
+def bind_mounted(tmp_path):
+    """`bind_mounted(folder)`: a second path to `folder` (the same device and inode, another path text), by a bind
+    mount; skipped where mounting is not allowed (not root)."""
+    mounts = []
+
+    def mount(folder):
+        alias = tmp_path / f"mount-{len(mounts)}"
+        alias.mkdir()
+        result = subprocess.run(["mount", "--bind", str(folder), str(alias)], capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip(f"no bind mount here: {result.stderr.strip()}")
+        mounts.append(alias)
+        return alias
+
+    yield mount
+    for alias in mounts:
+        subprocess.run(["umount", str(alias)], check=True)
+
+
+def test_another_path_to_the_output_folder_is_the_output_folder(tmp_path, bind_mounted):
+    """A symlink or a bind mount of the output folder, given as an input or as the checkpoint to resume, is the
+    output folder: told by device and inode, never by the path's text; --overwrite_output_dir deletes nothing."""
+    out = tmp_path / "run"
+    with RunFolder(out).opened():
+        train(out, 2)
+    before = sorted(os.listdir(out))
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    for alias in (link, bind_mounted(out)):
+        assert os.path.realpath(alias) != os.path.realpath(out) or alias == link
+        with pytest.raises(CommandError, match=rf"--model_name_or_path {alias} is --output_dir {out} itself"):
+            RunFolder(out, overwrite=True, inputs=[RunInput("--model_name_or_path", alias)]).open()
+        with pytest.raises(CommandError, match=rf"--model_name_or_path {alias}/checkpoint-2 lies inside --output_dir"):
+            RunFolder(out, overwrite=True, inputs=[RunInput("--model_name_or_path", alias / "checkpoint-2")]).open()
+        with pytest.raises(CommandError, match="lies inside --train_files"):
+            RunFolder(out / "sub", inputs=[RunInput("--train_files", alias, recursive=True)]).open()
+        with pytest.raises(CommandError, match="--overwrite_output_dir would delete what --resume_from_checkpoint"):
+            RunFolder(out, alias / "checkpoint-2", overwrite=True).open()
+        assert sorted(os.listdir(out)) == before
+        # Resumed through the other path, the checkpoint is this run's.
+        with RunFolder(out, alias / "checkpoint-2").opened() as run_folder:
+            assert run_folder.resume_checkpoint == str(out / "checkpoint-2")
+
+
+def test_overwrite_never_deletes_what_a_resume_continues_from(tmp_path):
+    """--overwrite_output_dir with --resume_from_checkpoint latest, last, true, a checkpoint of the folder or the
+    folder itself: one line, and the folder keeps every file."""
+    out = tmp_path / "run"
+    with RunFolder(out).opened() as run_folder:
+        train(out, 4)
+        run_folder.finish()
+    def files():
+        return {path.name: path.stat().st_mtime_ns for path in out.rglob("*") if path.name != LOCK_NAME}
+
+    before = files()
+    for resume in ("latest", "last", "true", True, out / "checkpoint-2", out / "checkpoint-4", out,
+                   out / "checkpoint-9"):
+        with pytest.raises(CommandError, match=r"^--overwrite_output_dir would delete what --resume_from_checkpoint .*"
+                                               r"pass only one .*; nothing was deleted$"):
+            RunFolder(out, resume, overwrite=True).open()
+        assert files() == before
+
+
+class StopAfterSaving(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_a_run_resumed_from_an_earlier_checkpoint_replaces_the_later_ones_whole(tmp_path):
+    """Resumed from checkpoint-2 while checkpoint-4 and -6 exist, the run removes the old checkpoint-4 before
+    writing its own (never a mix of the two), and `latest` is then the checkpoint saved last, not the highest step:
+    killed after re-saving step 4, the run continues from its new checkpoint-4, not from the old checkpoint-6."""
+    out = tmp_path / "run"
+    with RunFolder(out).opened():
+        train(out, 6)
+    old_six = read_record(out / "checkpoint-6")
+    with pytest.raises(KeyboardInterrupt), RunFolder(out, out / "checkpoint-2").opened():
+        train(out, 6, resume=str(out / "checkpoint-2"), callbacks=[StopAfterSaving(4)])
+    assert read_record(out / "checkpoint-4")["saved"] > old_six["saved"]
+    assert read_record(out / "checkpoint-6") == old_six
+    with RunFolder(out, "latest").opened() as run_folder:
+        assert run_folder.resume_checkpoint == str(out / "checkpoint-4")
+        train(out, 6, resume=run_folder.resume_checkpoint)
+    assert read_record(out / "checkpoint-6")["saved"] > read_record(out / "checkpoint-4")["saved"]
+    uninterrupted = tmp_path / "uninterrupted"
+    with RunFolder(uninterrupted).opened():
+        train(uninterrupted, 6)
+    assert losses(out / "checkpoint-6") == pytest.approx(losses(uninterrupted / "checkpoint-6"), rel=1e-5)
+
+
+def test_save_total_limit_keeps_the_checkpoint_just_saved_and_the_best(tmp_path):
+    out = tmp_path / "run"
+    with RunFolder(out).opened() as run_folder:
+        pass
+    for saved, step in enumerate((2, 4, 6, 8, 3), 1):  # checkpoint-3 saved last (a resume from checkpoint-2)
+        (out / f"checkpoint-{step}").mkdir()
+        (out / f"checkpoint-{step}" / RECORD_NAME).write_text(json.dumps({"run": run_folder.run_id, "step": step,
+                                                                          "saved": saved}))
+    marks = CheckpointMarks(SimpleNamespace(args=SimpleNamespace(save_total_limit=2)))
+    marks.rotate(out, run_folder.run_id, str(out / "checkpoint-4"))
+    assert [path.name for path in complete_checkpoints(out, run_folder.run_id)] == ["checkpoint-4", "checkpoint-3"]
+    marks.limit = 1
+    marks.rotate(out, run_folder.run_id, None)
+    assert sorted(os.listdir(out)) == [LOCK_NAME, "checkpoint-3", RECORD_NAME]
+
+
+# -- non-finite values ------------------------------------------------------------------------------------------------
+
+class TurnsNaN(TinyRegression):
+    """Its loss is NaN from the `at`-th forward on."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x, y):
+        self.calls += 1
+        loss = super().forward(x, y)["loss"]
+        return {"loss": loss * float("nan") if self.calls >= self.at else loss}
+
+
+def test_a_loss_that_turns_nan_stops_the_run_before_anything_of_it_is_saved(tmp_path):
+    out = tmp_path / "run"
+    says = r"^training stopped at step 3: the gradient norm is nan; nothing from this step on was saved \(pass --allow"
+    with pytest.raises(TrainingDiverged, match=says), RunFolder(out).opened() as run_folder:
+        train(out, 6, model=TurnsNaN(at=3))
+    assert "holds checkpoint-2, this run's last complete checkpoint" in run_folder.describe()
+    assert sorted(path.name for path in out.iterdir() if "checkpoint" in path.name) == ["checkpoint-2"]
+    with RunFolder(out, "latest").opened():  # resumed, the model is finite again: it trains on
+        train(out, 4, resume=str(out / "checkpoint-2"))
+    # Asked for, the run goes on (and saves what it trains).
+    other = tmp_path / "allowed"
+    with RunFolder(other).opened():
+        trainer = train(other, 4, model=TurnsNaN(at=3), allow_non_finite=True)
+    assert not torch.isfinite(trainer.model.linear.weight).all() and (other / "checkpoint-4").is_dir()
+
+
+def test_a_starting_model_with_a_nan_weight_is_refused_naming_it(tmp_path):
+    model = TinyRegression()
+    with torch.no_grad():
+        model.linear.bias[0] = float("nan")
+    out = tmp_path / "run"
+    says = r"^training stopped at step 0: linear.bias holds 1 NaN value when training begins; nothing from this step"
+    with pytest.raises(TrainingDiverged, match=says), RunFolder(out).opened():
+        train(out, 4, model=model)
+    assert not out.exists()  # nothing was written

@@ -58,6 +58,10 @@ POISON_OUTPUTS = False
 PHILOX_ROUNDS = tl.constexpr(7)
 # Each pair is decided by 16 random bits: dropped with probability round(p * 2**16) / 2**16, within 2**-17 of p.
 DROPOUT_BITS = 16
+# Integer arguments that stay run-time values whatever they equal: Triton compiles an int argument equal to 1 as the
+# constant 1 (on which `.to` fails) and one divisible by 16 as its own variant. A dropout threshold of 1
+# (7.6e-6 <= p < 2.3e-5) would not compile, and other p values would compile the kernels again.
+RUNTIME_SCALARS = ["dropout_threshold"]
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of each kernel at head dims 32, 64 and 128, by GPU generation, chosen
@@ -368,7 +372,7 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, rows, offs_n, offs_
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_SCALARS)
 def _forward_kernel(Q, K, V, Out, LSE, LUT, SLOPES, KMASK, CU_Q, CU_K, SEED,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
@@ -466,7 +470,7 @@ def _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, lo, hi, co
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_SCALARS)
 def _backward_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LUT, SLOPES, KMASK, CU_Q, CU_K, SEED,
                           stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                           stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
@@ -587,7 +591,7 @@ def _dq_tiles(dq, far_sum, q, do, lse, delta, k_base, v_base, dlut_base, lo, hi,
     return dq, far_sum
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RUNTIME_SCALARS)
 def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, SLOPES, KMASK, CU_Q, CU_K, SEED,
                         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
@@ -905,7 +909,7 @@ def _dropout_inputs(dropout_p, dropout_seed, device):
     if dropout_seed.shape != (2,) or dropout_seed.dtype != torch.int64 or dropout_seed.device != device:
         raise ValueError(f"dropout_seed must be a (2,) int64 tensor on {device}, got {tuple(dropout_seed.shape)} "
                          f"{dropout_seed.dtype} on {dropout_seed.device}")
-    return dropout_p, dropout_seed
+    return dropout_p, dropout_seed.contiguous()  # the kernels read the key at SEED and the stream at SEED + 1
 
 
 def _last_dim_contiguous(*tensors):

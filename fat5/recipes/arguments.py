@@ -5,7 +5,7 @@ Every recipe parses these dataclasses plus transformers' `Seq2SeqTrainingArgumen
 --deepspeed, --fsdp, ...) pass through unchanged.
 
 Only the standard library is imported here (fat5/recipes/data.py uses no more), so that a recipe's command
-(fat5/recipes/command.py) reads and checks these flags before torch, transformers and datasets load.
+(fat5/recipes/command.py) answers --help before torch, transformers' Trainer and datasets load.
 """
 
 from collections.abc import Callable
@@ -28,6 +28,8 @@ def require_positive(arguments, *names):
 
 @dataclass
 class ModelArguments:
+    _argument_group_name = "model"
+
     model_name_or_path: str = field(metadata={"help": "FAT5 checkpoint folder or Hub id (loaded with "
                                                       "trust_remote_code=True)"})
     lora: bool = field(default=False, metadata={"help": "train a LoRA adapter (PEFT) instead of all weights"})
@@ -52,6 +54,8 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
+    _argument_group_name = "data"
+
     train_file: str | None = field(default=None, metadata={"help": "training data: .csv, .tsv, .json or .jsonl"})
     validation_file: str | None = field(default=None, metadata={"help": "evaluation data (same formats)"})
     test_file: str | None = field(default=None, metadata={"help": "data to predict (same formats)"})
@@ -79,6 +83,8 @@ class DataArguments:
 @dataclass
 class FileFormatArguments:
     """How data files are read (fat5/recipes/data.py), by every recipe and fat5.recipes.predict."""
+
+    _argument_group_name = "data files"
 
     tsv_quoting: str = field(default="none", metadata={
         "help": "none: a .tsv is TSV, one row a line, fields split at tabs, quote characters kept as data; csv: "

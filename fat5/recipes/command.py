@@ -1,7 +1,6 @@
-"""A recipe's command: its `main(argv=None)`, under fat5/cli.py's convention. The flags are read and checked first
-(fat5/training/flags.py: --help, a bad flag, a missing library of the "recipes" extra), with the standard library
-only; torch, transformers and datasets load after, with the runner (fat5/recipes/runner.py), inside `fat5.cli.run`,
-where Ctrl-C is handled.
+"""A recipe's command: its `main(argv=None)`, under fat5/cli.py's convention. --help, and a missing library of the
+"recipes" extra, are answered first (fat5/training/flags.py), before torch, transformers' Trainer and datasets load
+with the runner (fat5/recipes/runner.py), which parses the flags, inside `fat5.cli.run`, where Ctrl-C is handled.
 """
 
 from fat5.cli import require, run
@@ -10,22 +9,21 @@ from fat5.training.flags import CommandFlags, RunFolderArguments
 
 
 def recipe_flags(recipe, name, description):
-    """The recipe's command line, read before the heavy imports (`CommandFlags`)."""
+    """The recipe's --help and --help-all (`CommandFlags`)."""
     def full_parser():
         from fat5.recipes.runner import recipe_parser
 
         return recipe_parser(recipe, prog, description, usage)
 
     prog = f"python -m fat5.recipes.{name}"
-    groups = [("model", ModelArguments), ("data", recipe.data_arguments), ("data files", FileFormatArguments),
-              ("run folder", RunFolderArguments)]
+    own = (ModelArguments, recipe.data_arguments, FileFormatArguments, RunFolderArguments)
     changed = ", ".join(f"{flag} {str(value).lower()}" for flag, value in SEQ2SEQ_DEFAULTS.items())
     notes = [f"Trainer defaults changed here: {changed} (evaluation and --do_predict generate)."] if recipe.seq2seq \
         else []
     trainer = "Seq2SeqTrainingArguments" if recipe.seq2seq else "TrainingArguments"
     usage = (f"{prog} --model_name_or_path FOLDER --output_dir DIR --do_train|--do_eval|--do_predict\n"
              f"{' ' * len('usage: ' + prog)} [--train_file FILE ...] [options] [Trainer options]")
-    return CommandFlags(prog, description, groups, trainer=trainer, full_parser=full_parser, usage=usage, notes=notes)
+    return CommandFlags(prog, description, own, full_parser=full_parser, trainer=trainer, usage=usage, notes=notes)
 
 
 def recipe_main(recipe, name, description):
@@ -34,7 +32,7 @@ def recipe_main(recipe, name, description):
     flags = recipe_flags(recipe, name, description)
 
     def command(argv, progress):
-        flags.check(argv)
+        flags.answer_help(argv)
         require("recipes", "accelerate", "datasets", *recipe.libraries)
         from fat5.recipes.runner import fine_tune  # heavy imports, once Ctrl-C is handled
 

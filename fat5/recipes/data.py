@@ -6,7 +6,6 @@ Standard library only, with fat5.files (which is too; see fat5/recipes/arguments
 --dataset_name.
 """
 
-import codecs
 import csv
 import json
 import re
@@ -25,7 +24,6 @@ TSV_QUOTING = ("none", "csv")
 MAX_FIELD_CHARS = 1 << 24
 BYTE_ORDER_MARK = "\ufeff"
 LONE_CR = re.compile(rb"(?<=\r)(?!\n)")
-JSON_WHITESPACE = re.compile(r"[ \t\n\r]*")
 
 
 class Table:
@@ -67,8 +65,8 @@ class Table:
 
 
 def read_table(path, tsv_quoting="none", max_field_chars=MAX_FIELD_CHARS):
-    """A .csv / .tsv / .json (a list of objects) / .jsonl file as a Table. The file is read as a stream: memory
-    holds the rows (the data) and about one record more, never a copy of the whole file."""
+    """A .csv / .tsv / .json (a list of objects) / .jsonl file as a Table. A .csv, .tsv or .jsonl is read as a
+    stream (memory holds the rows and about one record more); a .json is parsed whole by json."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
@@ -215,9 +213,11 @@ def read_jsonl(path, lines, max_field_chars):
         if not line.strip():
             raise CommandError(f"{where}: an empty line (JSON Lines holds one object a line)")
         try:
-            row = decode_json(where, DECODER.decode, line)
+            row = json.loads(line, object_pairs_hook=json_object)
         except json.JSONDecodeError as error:
             raise CommandError(f"{where}: not JSON ({error.msg})") from None
+        except RecursionError:
+            raise too_deep(where) from None
         columns = add_row(columns, where, row, max_field_chars)
         starts.append(number)
     if columns is None:
@@ -226,124 +226,64 @@ def read_jsonl(path, lines, max_field_chars):
 
 
 def read_json(path, file, max_field_chars):
-    """Columns and the number of rows of a .json file, one list of objects, parsed an object at a time."""
-    text = JsonText(path, file)
-    if text.next_character() == "":
+    """Columns and the number of rows of a .json file, one list of objects, parsed whole by the standard library's
+    json (memory holds the file's text while it is parsed, then the rows)."""
+    raw = file.read()
+    try:
+        text = raw.decode("utf-8").removeprefix(BYTE_ORDER_MARK)
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise CommandError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[error.start]:02x}); save it as UTF-8") \
+            from None
+    if not text.strip():
         raise CommandError(f"{path}: file is empty")
-    if text.next_character() != "[":
+    try:
+        rows = json.loads(text, object_pairs_hook=json_object)
+    except json.JSONDecodeError as error:
+        if error.msg.startswith("Unterminated string") and len(text) - error.pos > 12 * max_field_chars + 2:
+            # A string longer than any field within the limit can be written (a character is at most 12 characters
+            # of JSON, "\\ud83d\\ude00"): most likely one never closed.
+            raise field_too_long(f"{path}:{error.lineno}", max_field_chars, "a JSON string never closed?") from None
+        what = "more after the list" if error.msg == "Extra data" else error.msg
+        raise CommandError(f"{path}:{error.lineno}: not JSON ({what})") from None
+    except RecursionError:
+        raise too_deep(path) from None
+    if not isinstance(rows, list):
         raise CommandError(f"{path}: expected a list of objects, one a row")
-    text.position += 1
-    columns, count = None, 0
-    after = text.next_character()
-    if after == "]":
-        text.position += 1
-    while after != "]":
-        count += 1
-        where = f"{path} row {count}"
-        columns = add_row(columns, where, text.value(where, max_field_chars), max_field_chars)
-        after = text.next_character()
-        if after not in (",", "]"):
-            raise CommandError(f"{path}:{text.line()}: not JSON (expected ',' or ']' after row {count})")
-        text.position += 1
-    if text.next_character() != "":
-        raise CommandError(f"{path}:{text.line()}: not JSON (more after the list)")
-    return columns or {}, count
+    columns = None
+    for number, row in enumerate(rows, 1):
+        columns = add_row(columns, f"{path} row {number}", row, max_field_chars)
+    return columns or {}, len(rows)
 
 
-class JsonText:
-    """The text of a .json file, decoded a chunk at a time: `text[position:]` is what is not parsed yet, about
-    one row. Parsed text is dropped, its line ends counted for error messages."""
-
-    # Read at a time: far more than any JSON token a chunk's end can cut (an escape, a literal), which value()
-    # relies on.
-    CHUNK = 1 << 16
-
-    def __init__(self, path, file):
-        self.path, self.file = path, file
-        self.decoder = codecs.getincrementaldecoder("utf-8")()
-        self.text, self.position, self.dropped_lines, self.ended = "", 0, 0, False
-        self.read_more(0)
-        self.text = self.text.removeprefix(BYTE_ORDER_MARK)
-
-    def read_more(self, at_least):
-        chunk = self.file.read(max(self.CHUNK, at_least))
-        self.ended = not chunk
-        try:
-            new = self.decoder.decode(chunk, final=self.ended)
-        except UnicodeDecodeError as error:
-            line = self.line(len(self.text)) + error.object[:error.start].count(b"\n")
-            raise CommandError(f"{self.path}:{line}: not UTF-8 text (byte 0x{error.object[error.start]:02x}); "
-                               f"save it as UTF-8") from None
-        self.dropped_lines += self.text.count("\n", 0, self.position)
-        self.text = self.text[self.position:] + new
-        self.position = 0
-
-    def line(self, position=None):
-        """The line of `text[position]` (default: the next character to parse)."""
-        position = self.position if position is None else position
-        return self.dropped_lines + self.text.count("\n", 0, position) + 1
-
-    def next_character(self):
-        """Moves past JSON whitespace; the next character, or "" at the end of the file."""
-        while True:
-            self.position = JSON_WHITESPACE.match(self.text, self.position).end()
-            if self.position < len(self.text) or self.ended:
-                return self.text[self.position:self.position + 1]
-            self.read_more(0)
-
-    def value(self, where, max_field_chars):
-        """The JSON value at the next character, reading as far into the file as it needs."""
-        self.next_character()
-        last_error = None
-        while True:
-            try:
-                value, self.position = decode_json(where, DECODER.raw_decode, self.text, self.position)
-                return value
-            except json.JSONDecodeError as error:
-                # More text cannot mend an error that stays where it was once more text was read.
-                error_at = (error.msg, error.pos - self.position)
-                if self.ended or error_at == last_error and not error.msg.startswith("Unterminated string"):
-                    raise CommandError(f"{self.path}:{self.line(error.pos)}: not JSON ({error.msg})") from None
-                # A string left open would read the rest of the file: stop once it is longer than any field
-                # within the limit can be written (a character is at most 12 characters of JSON, "\\ud83d\\ude00").
-                if error.msg.startswith("Unterminated string") and \
-                        len(self.text) - error.pos > 12 * max_field_chars + 2:
-                    raise field_too_long(f"{self.path}:{self.line(error.pos)}", max_field_chars,
-                                         "a JSON string never closed?") from None
-                last_error = error_at
-                # At least as much again as is held: the attempts at a long row cost about two parses of it.
-                self.read_more(len(self.text) - self.position)
+class KeyTwice(dict):
+    """A JSON object that names a key twice, where json would keep the last value silently (`key`: one such)."""
 
 
-class DuplicateKey(Exception):
-    """A JSON object names a key twice (raised inside the decoder, which does not know the row)."""
-
-
-def unique_keys(pairs):
-    """A JSON object as a dict; a key given twice is an error where json would keep the last value silently."""
+def json_object(pairs):
+    """json's object_pairs_hook: a JSON object as a dict, a KeyTwice when it names a key twice (refused with its
+    row by `add_row`)."""
     row = dict(pairs)
     if len(row) != len(pairs):
         seen = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise DuplicateKey(key)
-            seen.add(key)
+        row = KeyTwice(row)
+        row.key = next(key for key, _ in pairs if key in seen or seen.add(key))
     return row
 
 
-DECODER = json.JSONDecoder(object_pairs_hook=unique_keys)
+def key_twice(value):
+    """A key that an object in the JSON value `value` names twice, or None."""
+    if isinstance(value, KeyTwice):
+        return value.key
+    for child in value.values() if isinstance(value, dict) else value if isinstance(value, list) else ():
+        key = key_twice(child)
+        if key is not None:
+            return key
+    return None
 
 
-def decode_json(where, decode, *text):
-    """decode(*text) (DECODER.decode or DECODER.raw_decode), where a key given twice or a value nested too deeply
-    is an error naming `where`; json.JSONDecodeError is the caller's to handle."""
-    try:
-        return decode(*text)
-    except DuplicateKey as error:
-        raise CommandError(f"{where}: an object names the key {error.args[0]!r} twice (one of its values would "
-                           f"be dropped)") from None
-    except RecursionError:
-        raise CommandError(f"{where}: not JSON this reader can read (nested too deeply)") from None
+def too_deep(where):
+    return CommandError(f"{where}: not JSON this reader can read (nested too deeply)")
 
 
 def add_row(columns, where, row, max_field_chars):
@@ -351,6 +291,12 @@ def add_row(columns, where, row, max_field_chars):
     is an object with the first row's keys: a key missing or added would drop or invent a value."""
     if not isinstance(row, dict):
         raise CommandError(f"{where}: expected an object, got {type(row).__name__}")
+    try:
+        twice = key_twice(row)
+    except RecursionError:
+        raise too_deep(where) from None
+    if twice is not None:
+        raise CommandError(f"{where}: an object names the key {twice!r} twice (one of its values would be dropped)")
     if columns is None:
         columns = {key: [] for key in row}
     elif row.keys() != columns.keys():

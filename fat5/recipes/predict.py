@@ -16,11 +16,13 @@ from fat5.cli import CommandError, error_line, exit_with, require, run, write_fa
 from fat5.files import check_model_folder, check_tokenizer_folder, pickles_refused
 from fat5.recipes.arguments import FileFormatArguments, require_positive
 from fat5.recipes.data import exact_match, read_table, write_predictions
-from fat5.training.flags import CommandFlags
+from fat5.training.flags import CommandFlags, parse, parser
 
 
 @dataclass
 class PredictArguments:
+    _argument_group_name = "prediction"
+
     model: str = field(metadata={"help": "a saved model folder (e.g. a recipe's --output_dir or OUTPUT_DIR/merged)"})
     input_file: str = field(metadata={"help": ".csv, .tsv, .json or .jsonl with the inputs"})
     output_file: str = field(metadata={"help": "CSV to write (source[, reference], prediction)"})
@@ -75,16 +77,13 @@ def check_device(device):
                            f"{wanted.type} device(s)")
 
 
-FLAGS = CommandFlags("python -m fat5.recipes.predict", __doc__,
-                     [("prediction", PredictArguments), ("data files", FileFormatArguments)])
+FLAGS = CommandFlags("python -m fat5.recipes.predict", __doc__, (PredictArguments, FileFormatArguments))
 
 
 def predict(argv, progress):
-    FLAGS.check(argv)
-    require("recipes", "datasets")  # the recipes' runner, which reads the flags
-    from fat5.recipes.runner import parse_flags  # heavy imports, once Ctrl-C is handled
-
-    args, format_args = parse_flags((PredictArguments, FileFormatArguments), argv)
+    FLAGS.answer_help(argv)
+    require("recipes", "datasets")  # the recipes' extra
+    args, format_args = parse(parser(FLAGS.own, prog=FLAGS.prog), argv)
     format_args.check_effect([args.input_file])
     table = read_table(args.input_file, format_args.tsv_quoting, format_args.max_field_chars)
     if args.max_predict_samples is not None:
@@ -101,9 +100,13 @@ def predict(argv, progress):
 
     from transformers import pipeline
 
+    from fat5.training.finite import check_finite_weights
+
     register_auto_classes()  # the folder loads with this installation's FAT5 classes (transformers 5 prefers them)
     with pickles_refused(f"the weights file of {args.model}"):
         generator = pipeline("text2text-generation", model=args.model, trust_remote_code=True, device=args.device)
+    check_finite_weights(generator.model, f"--model {args.model}",
+                         advice="predict with a checkpoint saved before its training diverged")
     outputs = generator([args.source_prefix + text for text in sources], batch_size=args.batch_size,
                         num_beams=args.num_beams, max_new_tokens=args.max_new_tokens,
                         length_penalty=args.length_penalty)

@@ -21,7 +21,6 @@ from transformers import (
     AutoTokenizer,
     DataCollatorForSeq2Seq,
     DataCollatorWithPadding,
-    HfArgumentParser,
     Seq2SeqTrainer,
     Seq2SeqTrainingArguments,
     Trainer,
@@ -34,19 +33,19 @@ from fat5.files import (
     CHECKPOINT_JSON,
     check_model_folder,
     check_tokenizer_folder,
-    check_trainer_json_files,
     pickles_refused,
-    read_json_object,
 )
 from fat5.recipes.arguments import SEQ2SEQ_DEFAULTS, FileFormatArguments, ModelArguments
 from fat5.recipes.data import load_dataset_splits, read_table, write_predictions
-from fat5.training.flags import HelpFormatter, OneLineErrors
+from fat5.training.finite import check_finite_weights
+from fat5.training.flags import check_trainer_values, parse, parser
 from fat5.training.run_folder import (
     TRAINING_SETTINGS,
     RunFolder,
     RunFolderArguments,
     RunFolderTrainerMixin,
     RunInput,
+    progress_bars_closed,
     training_settings,
 )
 
@@ -62,6 +61,7 @@ RESUME_ADVICE = "resume from a checkpoint FAT5 wrote instead, or fine-tune its w
 
 @dataclass
 class RecipeSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, RunFolderArguments):
+    _argument_group_name = "Trainer options (transformers' Seq2SeqTrainingArguments)"
     # The default this runner uses (train_evaluate_predict), not the one transformers' help names.
     generation_max_length: int | None = field(default=None, metadata={
         "help": "longest generation in evaluation and prediction, in tokens (default: the model's generation "
@@ -70,15 +70,11 @@ class RecipeSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, RunFolderArgument
 
 @dataclass
 class RecipeTrainingArguments(TrainingArguments, RunFolderArguments):
-    pass
+    _argument_group_name = "Trainer options (transformers' TrainingArguments)"
 
 
 class RecipeTrainer(RunFolderTrainerMixin, Trainer):
     """Trainer whose checkpoints are atomic and belong to this run (fat5/training/run_folder.py)."""
-
-
-class RecipeParser(OneLineErrors, HfArgumentParser):
-    pass
 
 
 def recipe_dataclasses(recipe):
@@ -89,28 +85,9 @@ def recipe_dataclasses(recipe):
 
 
 def recipe_parser(recipe, prog=None, description=None, usage=None):
-    """The HfArgumentParser of a recipe's flags, for --help-all."""
+    """The HfArgumentParser of a recipe's flags (its own and the Trainer's), with the defaults it changes."""
     dataclass_types, defaults = recipe_dataclasses(recipe)
-    parser = RecipeParser(dataclass_types, prog=prog, description=description, usage=usage,
-                          formatter_class=HelpFormatter)
-    parser.set_defaults(**defaults)
-    return parser
-
-
-def parse_flags(dataclass_types, argv, **defaults):
-    """HfArgumentParser over the dataclasses (or one .json file of flags); `defaults` overrides field defaults."""
-    parser = RecipeParser(dataclass_types)
-    parser.set_defaults(**defaults)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    try:
-        if len(argv) == 1 and argv[0].endswith(".json"):
-            flags = read_json_object(argv[0], "the flags file ")
-            check_trainer_json_files(flags)
-            return parser.parse_dict({**defaults, **flags})
-        check_trainer_json_files(argv)
-        return parser.parse_args_into_dataclasses(argv)
-    except ValueError as error:  # unknown flags, and TrainingArguments' own checks
-        raise CommandError(error_line(error)) from None
+    return parser(dataclass_types, defaults, prog=prog, description=description, usage=usage)
 
 
 def check_flags(recipe, data_args, format_args, training_args, classes):
@@ -226,6 +203,8 @@ def load_model(model_args, training_args, classes):
                 model_args.model_name_or_path, trust_remote_code=True, num_labels=len(classes),
                 id2label=dict(enumerate(classes)), label2id={name: index for index, name in enumerate(classes)})
             task_type, modules_to_save = "SEQ_CLS", ["classification_head"]
+    if not training_args.allow_non_finite:
+        check_finite_weights(model, f"--model_name_or_path {model_args.model_name_or_path}")
     if not model_args.lora:
         return model
     from peft import LoraConfig, get_peft_model
@@ -322,20 +301,6 @@ def one_line_worker_errors():
                            f"the traceback)") from None
 
 
-@contextmanager
-def progress_bars_closed_on_interrupt(trainer):
-    """Left open, the Trainer's progress bar is drawn again as Python exits, below the `interrupted:` line."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        for callback in trainer.callback_handler.callbacks:
-            for bar in (getattr(callback, "training_bar", None), getattr(callback, "prediction_bar", None)):
-                if bar is not None:
-                    bar.leave = False
-                    bar.close()
-        raise
-
-
 def save(trainer, tokenizer, model_args, training_args):
     """The model (or LoRA adapter) and tokenizer in --output_dir; with --merge_lora also the merged model in
     OUTPUT_DIR/merged."""
@@ -374,8 +339,8 @@ def fine_tune(recipe, argv=None, progress=None):
     """Run a recipe with command-line flags `argv`; returns the Trainer. A training run owns its --output_dir
     for its lifetime (fat5/training/run_folder.py); evaluation and prediction only add their results to it."""
     progress = progress or Progress()
-    dataclass_types, defaults = recipe_dataclasses(recipe)
-    model_args, data_args, format_args, training_args = parse_flags(dataclass_types, argv, **defaults)
+    model_args, data_args, format_args, training_args = parse(recipe_parser(recipe), argv)
+    check_trainer_values(training_args)
     classes = recipe.classes(data_args) if recipe.classes else None
     if classes is not None:
         training_args.predict_with_generate = False
@@ -472,7 +437,7 @@ def train_evaluate_predict(recipe, model_args, data_args, training_args, classes
         model=model, args=training_args, train_dataset=encoded.get("train"), eval_dataset=encoded.get("validation"),
         processing_class=tokenizer, data_collator=collator,
         compute_metrics=text_metrics(tokenizer, classes, recipe.score) if scores else None)
-    with one_line_worker_errors(), progress_bars_closed_on_interrupt(trainer):
+    with one_line_worker_errors(), progress_bars_closed(trainer):
         if training_args.do_train:
             train(trainer, tokenizer, model_args, training_args, run_folder)
         if training_args.do_eval:

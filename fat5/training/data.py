@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from fat5.cli import CommandError
-from fat5.remote_code_fat5 import StagedFolder
+from fat5.safe_files import StagedFolder
 
 from .denoising import sentinel_token_ids
 
@@ -26,6 +26,11 @@ def corpus_files(patterns):
             found = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl", ".json") and p.is_file())
         else:
             found = sorted(Path(p) for p in glob.glob(pattern)) if glob.has_magic(pattern) else [path]
+        for named in found or [path]:
+            if named.exists() and not named.is_file() and not named.is_dir():
+                raise CommandError(f"--train_files {named} is not a regular file (a pipe, a device or a socket, such "
+                                   f"as /dev/stdin): the corpus is read again for each pass over it and its size is "
+                                   f"recorded for resuming, so it must be a file; save it to one first")
         if not found or not all(p.is_file() for p in found):
             raise CommandError(f"no corpus file at {pattern!r}")
         files += found

@@ -65,12 +65,16 @@ def checkpoint_config(folder):
     return config
 
 
-def load_checkpoint(folder, z_loss):
+def load_checkpoint(folder, z_loss, allow_non_finite=False):
     """The checkpoint `checkpoint_config` accepted, loaded with the installed FAT5 code (so training uses this
-    version's kernels and packing)."""
+    version's kernels and packing); one with a NaN or infinite weight is refused unless `allow_non_finite`."""
+    from .finite import check_finite_weights
+
     checkpoint_config(folder)
     with pickles_refused(f"the weights file of {folder}"):
         model = fat5.FAT5ForConditionalGeneration.from_pretrained(folder)
+    if not allow_non_finite:
+        check_finite_weights(model, f"--model_name_or_path {folder}")
     if z_loss is not None:
         model.config.z_loss = z_loss
     return model

@@ -28,8 +28,8 @@ from fat5.cli import exit_with, require, run
 from .flags import CommandFlags, RunFolderArguments
 from .pretrain_flags import PROG, USAGE, PretrainArguments, defaults_line
 
-# This module reads the command line with the standard library (fat5/training/flags.py); the run itself, with torch
-# and transformers, is fat5/training/pretraining.py.
+# This module answers --help before torch loads (fat5/training/flags.py); the run itself, with torch and
+# transformers, is fat5/training/pretraining.py, which parses the flags.
 
 
 def full_parser():
@@ -38,18 +38,15 @@ def full_parser():
     return full_parser(__doc__)
 
 
-FLAGS = CommandFlags(PROG, __doc__, [("pretraining options", PretrainArguments),
-                                     ("run folder options", RunFolderArguments)],
-                     trainer="TrainingArguments", full_parser=full_parser, usage=USAGE, notes=[defaults_line()])
+FLAGS = CommandFlags(PROG, __doc__, (PretrainArguments, RunFolderArguments), full_parser=full_parser,
+                     trainer="TrainingArguments", usage=USAGE, notes=[defaults_line()])
 
 
 def pretrain(argv, progress):
-    """The command (run by fat5.cli.run): flags first, before torch and transformers load."""
+    """The command (run by fat5.cli.run): --help first, before torch and transformers load."""
     argv = sys.argv[1:] if argv is None else [str(arg) for arg in argv]
-    own = FLAGS.check(argv)
+    FLAGS.answer_help(argv)
     require("pretrain", "accelerate")  # Trainer's, whatever the corpus
-    if own and own[0].dataset_name:
-        require("pretrain", "datasets")
     from .pretraining import parse_args
     from .pretraining import pretrain as run_pretraining
 

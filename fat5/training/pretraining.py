@@ -8,22 +8,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import AutoTokenizer, DataCollatorForSeq2Seq, HfArgumentParser, TrainingArguments, set_seed
+from transformers import AutoTokenizer, DataCollatorForSeq2Seq, TrainingArguments, set_seed
 from transformers.utils.logging import disable_progress_bar
 
 from fat5 import register_auto_classes
-from fat5.cli import CommandError, error_line, write_failures_reported
-from fat5.files import (
-    CHECKPOINT_JSON,
-    check_model_folder,
-    check_tokenizer_folder,
-    check_trainer_json_files,
-    pickles_refused,
-)
+from fat5.cli import CommandError, write_failures_reported
+from fat5.files import CHECKPOINT_JSON, check_model_folder, check_tokenizer_folder, pickles_refused
 
 from .data import DenoisingDataset, Documents, add_missing_tokens, sentencepiece_pieces, train_sentencepiece
 from .denoising import MIXTURES, DenoisingMixture, sentinel_token_ids
-from .flags import HelpFormatter, OneLineErrors, RunFolderArguments
+from .flags import RunFolderArguments, check_trainer_values, parse, parser
 from .models import (
     PRESETS,
     check_checkpoint_shapes,
@@ -36,7 +30,7 @@ from .models import (
 from .optim import AdamWScale
 from .packing import PackedSeq2SeqCollator
 from .pretrain_flags import DEFAULTS, PROG, USAGE, PretrainArguments, defaults_line
-from .run_folder import TRAINING_SETTINGS, RunFolder, RunInput, read_record, training_settings
+from .run_folder import TRAINING_SETTINGS, RunFolder, RunInput, progress_bars_closed, read_record, training_settings
 from .trainer import PretrainTrainer, shard_examples
 
 # What to do with a checkpoint whose optimizer, scheduler or RNG state is a pickle of more than tensors.
@@ -54,25 +48,16 @@ class TrainerOptions(TrainingArguments, RunFolderArguments):
                 + ")"})
 
 
-class Parser(OneLineErrors, HfArgumentParser):
-    pass
-
-
 def full_parser(description=None):
     """HfArgumentParser over the pretraining flags and every TrainingArguments flag, with DEFAULTS."""
-    parser = Parser((PretrainArguments, TrainerOptions), prog=PROG, usage=USAGE, description=description,
-                    epilog=defaults_line(), formatter_class=HelpFormatter)
-    parser.set_defaults(**DEFAULTS["trainer"])
-    return parser
+    return parser((PretrainArguments, TrainerOptions), DEFAULTS["trainer"], prog=PROG, usage=USAGE,
+                  description=description, epilog=defaults_line())
 
 
 def parse_args(argv):
-    """The two dataclasses, with DEFAULTS applied: the start-dependent ones once the start is known."""
-    check_trainer_json_files(argv)
-    try:
-        args, training_args = full_parser().parse_args_into_dataclasses(args=argv)
-    except ValueError as error:  # TrainingArguments' own checks, e.g. --bf16 without a GPU or --use_cpu
-        raise CommandError(error_line(error)) from None
+    """The two dataclasses (from the command line, or a flags file), with DEFAULTS applied (the start-dependent
+    ones once the start is known), and Trainer values no run can use refused."""
+    args, training_args = parse(full_parser(), argv)
     start = "checkpoint" if args.model_name_or_path else "new model"
     if args.optimizer == "auto":
         args.optimizer = DEFAULTS["optimizer"][start]
@@ -80,6 +65,7 @@ def parse_args(argv):
         training_args.learning_rate = DEFAULTS["learning_rate"][args.optimizer]
     if args.z_loss is None:
         args.z_loss = DEFAULTS["z_loss"][start]
+    check_trainer_values(training_args)
     return args, training_args
 
 
@@ -298,7 +284,7 @@ def train(args, training_args, tokenizer, dataset, run_folder):
     if resume:
         check_model_folder(resume, also=CHECKPOINT_JSON)  # before Trainer reads them
     if args.model_name_or_path:
-        model = load_checkpoint(args.model_name_or_path, args.z_loss)
+        model = load_checkpoint(args.model_name_or_path, args.z_loss, training_args.allow_non_finite)
     else:
         set_seed(training_args.seed)  # a reproducible initialisation
         model = new_model(args.config, tokenizer, args.z_loss)
@@ -324,7 +310,8 @@ def train(args, training_args, tokenizer, dataset, run_folder):
         disable_progress_bar()  # transformers' own bars too (writing checkpoint shards)
     state = run_folder.resume_state()
     # Trainer loads a checkpoint's optimizer, scheduler and RNG states with torch.load(weights_only=True).
-    with worker_errors_as_one_line(), pickles_refused(f"--resume_from_checkpoint {resume}", RESUME_ADVICE):
+    with worker_errors_as_one_line(), progress_bars_closed(trainer), \
+            pickles_refused(f"--resume_from_checkpoint {resume}", RESUME_ADVICE):
         if state and state["global_step"] >= training_args.max_steps:
             # Killed after its last checkpoint, before its final save: nothing left to train (Trainer would take
             # one step past --max_steps).

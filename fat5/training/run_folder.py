@@ -10,7 +10,7 @@ How a command (pretraining, a recipe) uses it::
     class MyTrainingArguments(Seq2SeqTrainingArguments, RunFolderArguments):  # --overwrite_output_dir, ...
         pass
 
-    class MyTrainer(RunFolderTrainerMixin, Seq2SeqTrainer):  # atomic checkpoints, marked with the run's id
+    class MyTrainer(RunFolderTrainerMixin, Seq2SeqTrainer):  # checkpoints marked with the run's id
         pass
 
     def command(argv, progress):  # run by fat5.cli.run(command, argv)
@@ -24,7 +24,7 @@ How a command (pretraining, a recipe) uses it::
             progress.describe = run_folder.describe  # Ctrl-C: "interrupted: OUT holds checkpoint-40, ..."
             if run_folder.already_finished:  # resuming a run that ended: nothing to do
                 return
-            trainer = MyTrainer(...)
+            trainer = MyTrainer(...)  # adds CheckpointMarks and NonFiniteStop
             trainer.train(resume_from_checkpoint=run_folder.resume_checkpoint)
             trainer.save_model()
             run_folder.finish()
@@ -45,20 +45,24 @@ What it guarantees:
   reached its last step (Trainer would train one step past it).
 - A lock (`flock` on `.fat5_run.lock` in the folder) is held by the main process for the whole run: a second run on
   the same folder is refused at start-up, never interleaved. The kernel releases it when the process dies.
-- Checkpoints are atomic: `RunFolderTrainerMixin` lets Trainer write checkpoint-N into a staging folder beside it
-  (`.checkpoint-N.partial/`), marks it complete (`fat5_run.json` inside it, with the run id and step), and moves it
-  into place in one rename (or exchange, when re-saving step N after resuming from an earlier checkpoint). A
-  checkpoint-N in the folder is therefore complete; one without this run's mark (a crash of an older version, a
-  foreign copy) is never resumed from and is removed by the next run on the folder, as are staging folders.
-- `--save_total_limit` rotates only this run's complete checkpoints (oldest step first, the best one kept), after
-  the new one is in place.
+- Checkpoints are whole or do not count: Trainer writes checkpoint-N, and `CheckpointMarks` (a callback) marks it
+  complete once written and flushed (`fat5_run.json` inside it, with the run id, the step and the save's order). A
+  checkpoint-N without this run's mark (a save cut short, a foreign copy) is never resumed from and is removed by the
+  next run on the folder. A save that fails (a full disk) ends the run with one line naming the checkpoint, and
+  what Trainer wrote of it is removed.
+- `--save_total_limit` rotates only this run's complete checkpoints (the oldest saved first; never the one just
+  saved, nor the best), after the new one is marked.
+- A resume from an earlier checkpoint replaces the later ones as it reaches their steps, each removed whole before
+  the new one is written; `latest` is the checkpoint saved last.
+- With --overwrite_output_dir, a resume from the folder (`latest`, one of its checkpoints) is refused in one line,
+  before anything is deleted. Paths are compared by device and inode: another path to the output folder (a
+  symlink, a bind mount) is the output folder.
 - `latest`/`last` resumes this run's last complete checkpoint, or is refused with one line when it has none.
 
-Only the standard library and transformers are imported (`fat5.cli` for its error class; the flags, in
-`fat5.training.flags`, need only the standard library).
+Trainer is used through its public API only: callbacks (`CheckpointMarks`, `NonFiniteStop`), its arguments and
+`train`.
 """
 
-import fcntl
 import json
 import os
 import re
@@ -72,15 +76,17 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from fat5.cli import CommandError, raise_if_interrupted, write_failures_reported
-from fat5.remote_code_fat5 import put_in_place, remove_stale_staging
+from fat5.cli import CommandError, WriteFailed, raise_if_interrupted, write_failure
+from fat5.safe_files import fsync_tree, lock, remove_folder, remove_stale_staging, write_atomically
 
+from .finite import NonFiniteStop
 from .flags import RunFolderArguments  # the run folder's flags, read before transformers loads
 
 RECORD_NAME = "fat5_run.json"
 LOCK_NAME = ".fat5_run.lock"
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
-# Hidden folders of checkpoints being written (.partial) or deleted (.removed); never read, cleaned at start-up.
+# Hidden folders of checkpoints deleted (.removed), or written by earlier FAT5 versions (.partial); never read,
+# cleaned at start-up.
 CHECKPOINT_LEFTOVER = re.compile(r"\.checkpoint-\d+\.(partial|removed)(-old)?|\..+\.removed")
 RESUME_LAST = ("latest", "last", "true", "True")
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers' name, in every version
@@ -127,12 +133,7 @@ def read_record(folder):
 
 
 def _write_json_atomically(path, value):
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text(json.dumps(value, indent=1) + "\n")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)  # a write that failed (a full disk) leaves nothing behind
+    write_atomically(path, json.dumps(value, indent=1) + "\n")
 
 
 def folder_entries(folder):
@@ -153,13 +154,39 @@ def update_record(folder, finished=False):
     _write_json_atomically(Path(folder) / RECORD_NAME, record)
 
 
+def same_folder(first, second):
+    """Whether two paths name the same file or folder: by device and inode, so a symlink, a bind mount or any
+    other path to it counts (never by the paths' text)."""
+    try:
+        return os.path.samestat(os.stat(first), os.stat(second))
+    except OSError:
+        return False
+
+
+def lies_inside(path, folder):
+    """Whether `path` lies below `folder` (at any depth, under any of its names): some folder above `path` is
+    `folder` by device and inode."""
+    try:
+        folder_stat = os.stat(folder)
+    except OSError:
+        return False
+    for parent in Path(os.path.realpath(path)).parents:
+        try:
+            if os.path.samestat(os.stat(parent), folder_stat):
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def checkpoint_step(path):
     match = CHECKPOINT_NAME.fullmatch(Path(path).name)
     return int(match.group(1)) if match else None
 
 
 def complete_checkpoints(folder, run_id):
-    """This run's complete checkpoints in `folder`, oldest step first."""
+    """This run's complete checkpoints in `folder` (marked by `CheckpointMarks`), in the order they were saved
+    (the step orders the marks of earlier FAT5 versions, which recorded no order, before the others)."""
     folder = Path(folder)
     if run_id is None or not folder.is_dir():
         return []
@@ -168,8 +195,9 @@ def complete_checkpoints(folder, run_id):
         step = checkpoint_step(path)
         record = read_record(path) if step is not None and path.is_dir() else None
         if record is not None and record.get("run") == run_id and record.get("step") == step:
-            found.append((step, path))
-    return [path for _, path in sorted(found)]
+            saved = record.get("saved", 0)
+            found.append((saved if isinstance(saved, int) else 0, step, path))
+    return [path for *_, path in sorted(found)]
 
 
 class RunFolder:
@@ -243,16 +271,13 @@ class RunFolder:
         return self.resume_checkpoint
 
     def _acquire_lock(self):
-        descriptor = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(descriptor, 64, 0).decode(errors="replace").strip()
-            os.close(descriptor)
+        descriptor = lock(self.path / LOCK_NAME, create=True)
+        if descriptor is None:
+            owner = (self.path / LOCK_NAME).read_text(errors="replace").strip()
             raise CommandError(f"--output_dir {self.path} is in use by another run (process {owner or '?'}); wait "
-                               f"for it to finish or choose another folder") from None
+                               f"for it to finish or choose another folder")
         os.ftruncate(descriptor, 0)
-        os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
+        os.write(descriptor, f"{os.getpid()}\n".encode())
         self._lock = descriptor
 
     def close(self):
@@ -266,19 +291,20 @@ class RunFolder:
     def check_inputs(self):
         """Refuse an input that is the output folder or lies inside it (the run would write over, or
         --overwrite_output_dir delete, what it reads), and an output folder inside an input read recursively (the
-        run's own files would become its data). Symlinks are resolved; nothing is written before this."""
-        out = self.path.resolve()
+        run's own files would become its data). Folders are told apart by device and inode, so another path to the
+        same folder (a symlink, a bind mount) is the same folder; nothing is written before this."""
+        out = self.path
         for item in self.inputs:
             if item.path is None or not Path(item.path).exists():  # a Hub id, or a path the command reports itself
                 continue
-            path = Path(item.path).resolve()
-            if path == out:
+            path = Path(item.path)
+            if same_folder(path, out):
                 raise CommandError(f"{item.flag} {item.path} is --output_dir {self.path} itself: the run would write "
                                    f"over what it reads; choose another --output_dir")
-            if out in path.parents:
+            if lies_inside(path, out):
                 raise CommandError(f"{item.flag} {item.path} lies inside --output_dir {self.path}: the run would "
                                    f"write over what it reads; move it out or choose another --output_dir")
-            if item.recursive and path in out.parents:
+            if item.recursive and lies_inside(out, path):
                 raise CommandError(f"--output_dir {self.path} lies inside {item.flag} {item.path}, which is read with "
                                    f"everything below it: the run's own files would become its data; choose an "
                                    f"--output_dir outside it")
@@ -287,13 +313,18 @@ class RunFolder:
         return folder_entries(self.path)
 
     def _inside(self, checkpoint):
-        return Path(checkpoint).resolve().parent == self.path.resolve()
+        """Whether a --resume_from_checkpoint path is in this folder, or is the folder (under any name)."""
+        return lies_inside(checkpoint, self.path) or same_folder(checkpoint, self.path)
 
     def _claim(self):
         record = read_record(self.path)
         resume_last = self.resume is True or self.resume in RESUME_LAST
         resume_here = resume_last or (bool(self.resume) and self._inside(self.resume))
         contents = self._contents()
+        if self.overwrite and resume_here:
+            raise CommandError(f"--overwrite_output_dir would delete what --resume_from_checkpoint {self.resume} "
+                               f"continues from in {self.path}: pass only one (--resume_from_checkpoint continues the "
+                               f"run; --overwrite_output_dir starts a new one); nothing was deleted")
         if self.overwrite and contents:
             self._remove_earlier_run(record)
         elif record is not None and resume_here:
@@ -311,9 +342,9 @@ class RunFolder:
         elif self.changed:
             record = {**record, "settings": {**record.get("settings", {}), **self.settings}}
         self.already_finished = bool(record.get("finished")) and resume_here and not self.changed
+        self.resume_checkpoint = self._resolve_resume()  # before anything is written or cleaned
         _write_json_atomically(self.path / RECORD_NAME, record)
         self._clean()
-        self.resume_checkpoint = self._resolve_resume()
 
     def _check_settings(self, record):
         """A resumed run keeps the settings it was started with, or the user accepts the change explicitly."""
@@ -362,10 +393,8 @@ class RunFolder:
                                f"another folder")
         print(f"--overwrite_output_dir: deleting what the earlier run wrote in {self.path}")
         for path in self._contents():
-            doomed = path.with_name(f".{path.name}.removed") if path.is_dir() and not path.is_symlink() else path
-            if doomed is not path:
-                os.rename(path, doomed)  # never a half-deleted checkpoint
-                shutil.rmtree(doomed)
+            if path.is_dir() and not path.is_symlink():
+                remove_folder(path)  # never a half-deleted checkpoint
             else:
                 path.unlink()
         (self.path / RECORD_NAME).unlink(missing_ok=True)
@@ -399,9 +428,11 @@ class RunFolder:
         if not checkpoint.is_dir():
             raise CommandError(f"no checkpoint folder at --resume_from_checkpoint {self.resume}")
         if self._inside(checkpoint):
-            if checkpoint.resolve() not in [path.resolve() for path in complete_checkpoints(self.path, self.run_id)]:
+            ours = [path for path in complete_checkpoints(self.path, self.run_id) if same_folder(path, checkpoint)]
+            if not ours:
                 raise CommandError(f"--resume_from_checkpoint {self.resume} is not a complete checkpoint of the run "
                                    f"in {self.path}")
+            return str(ours[0])
         elif read_record(checkpoint.parent) is not None and read_record(checkpoint) is None:
             raise CommandError(f"--resume_from_checkpoint {self.resume} is an incomplete checkpoint (its save was "
                                f"interrupted)")
@@ -453,18 +484,24 @@ def _main_process_first(training_args):
 
 
 class RunFolderTrainerMixin:
-    """Mixin for transformers' Trainer (``class MyTrainer(RunFolderTrainerMixin, Trainer)``): checkpoints written
-    in a staging folder, marked with the run's id and moved into place in one step, then rotated by
-    --save_total_limit among this run's complete checkpoints only. A Ctrl-C that Python dropped (see
-    `fat5.cli`) stops the run at the next step."""
+    """Mixin for transformers' Trainer (``class MyTrainer(RunFolderTrainerMixin, Trainer)``): adds the run folder's
+    `CheckpointMarks` callback (checkpoints marked complete, rotated among this run's, a failed save named) and
+    `NonFiniteStop` (a run never trains on, nor saves, non-finite values unless --allow_non_finite). Overrides no
+    Trainer method but the public `train`, which it wraps to name a checkpoint that cannot be written."""
 
-    def training_step(self, *args, **kwargs):
-        raise_if_interrupted()
-        return super().training_step(*args, **kwargs)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_callback(NonFiniteStop(self.args))  # first: a non-finite model stops the run before a save begins
+        self.checkpoint_marks = CheckpointMarks(self)
+        self.add_callback(self.checkpoint_marks)
 
     def checkpoint_mark(self):
-        """Fields a checkpoint's mark (its fat5_run.json) records besides the run and the step."""
+        """Fields a checkpoint's mark (its fat5_run.json) records besides the run, the step and the save's order."""
         return {}
+
+    def train(self, *args, **kwargs):
+        with self.checkpoint_marks.failed_save_reported():
+            return super().train(*args, **kwargs)
 
     def load_without_training(self, checkpoint):
         """Load `checkpoint` (model weights and Trainer state, as a resume does) and train nothing: for a run whose
@@ -477,61 +514,115 @@ class RunFolderTrainerMixin:
         finally:
             self.remove_callback(_StopBeforeTheFirstStep)
 
-    def prediction_step(self, *args, **kwargs):
-        raise_if_interrupted()
-        return super().prediction_step(*args, **kwargs)
 
-    def _save_checkpoint(self, model, trial):
-        # A checkpoint that cannot be written (a full disk) ends the run with one line naming it and what the
-        # folder holds, not torch's or safetensors' traceback; its staging folder is never resumed from.
-        with write_failures_reported(f"checkpoint-{self.state.global_step}", self.args.output_dir):
-            self._save_checkpoint_atomically(model, trial)
+class CheckpointMarks(TrainerCallback):
+    """A checkpoint is whole or it does not count, with Trainer's own saving (public callbacks only): Trainer
+    writes checkpoint-N into the run folder; `on_save`, which Trainer calls once the checkpoint is written, flushes
+    it to the disk and marks it complete (`fat5_run.json` inside it: the run's id, the step and the save's order).
+    A checkpoint without this run's mark (a save cut short by a crash, a kill, a full disk) is never resumed from
+    and is removed by the next run on the folder (`RunFolder._clean`).
 
-    def _save_checkpoint_atomically(self, model, trial):
-        run_dir = Path(self._get_output_dir(trial=trial))
-        name = f"checkpoint-{self.state.global_step}"
-        staging_dir = run_dir / f".{name}.partial"
-        limit = self.args.save_total_limit
-        # Trainer saves into staging_dir/checkpoint-N and rotates nothing (the rotation runs once N is in place).
-        self._get_output_dir = lambda trial=None: str(staging_dir)
-        self.args.save_total_limit = None
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            del self._get_output_dir
-            self.args.save_total_limit = limit
-        staged, final = staging_dir / name, run_dir / name
-        if self.state.best_model_checkpoint == str(staged):
-            self.state.best_model_checkpoint = str(final)
-            if self.args.should_save:
-                self.state.save_to_json(str(staged / TRAINER_STATE_NAME))
-        self.accelerator.wait_for_everyone()  # every process has written its part
-        if not self.args.should_save:
+    Resuming from an earlier checkpoint than the last, the run saves again at steps it had saved before: the old
+    checkpoint-N is removed just before Trainer writes the new one (whole, never mixed with the new files), and
+    `latest` is the last checkpoint saved, not the highest step.
+
+    --save_total_limit is applied here, after the mark, among this run's complete checkpoints only: the oldest
+    saved first, never the one just saved nor the best (--load_best_model_at_end), so never the last one a resume
+    would start from. Trainer's own rotation, which would delete any checkpoint-* folder, half deleted if cut
+    short, is turned off by giving Trainer no limit (its `save_total_limit` is read here once and set to None).
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.limit = trainer.args.save_total_limit
+        trainer.args.save_total_limit = None
+        self.saving = None  # the checkpoint Trainer is about to write, or writing (its name)
+
+    def run_dir(self, args):
+        return Path(args.output_dir)
+
+    def before_a_save(self, args, state, control):
+        """Trainer will (or may, with --save_strategy best) write checkpoint-N after this event: an old checkpoint-N
+        of the run (saved before a resume from an earlier one) goes first, so the new one never mixes with it."""
+        if not (control.should_save or (args.save_strategy == "best" and control.should_evaluate)):
             return
-        record = read_record(run_dir) or {}
-        _write_json_atomically(staged / RECORD_NAME, {"run": record.get("run"), "step": self.state.global_step,
-                                                      **self.checkpoint_mark()})
-        old = put_in_place(staged, final)
-        shutil.rmtree(staging_dir, ignore_errors=True)  # with the replaced checkpoint-N, if any
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        self._rotate_run_checkpoints(run_dir, record.get("run"), limit)
+        self.saving = f"checkpoint-{state.global_step}"
+        old = self.run_dir(args) / self.saving
+        if args.should_save and old.is_dir():
+            remove_folder(old)
+        self.trainer.accelerator.wait_for_everyone()  # no process writes into checkpoint-N before it is gone
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        raise_if_interrupted()  # a Ctrl-C that Python dropped (see fat5.cli) stops the run here
+        self.saving = None
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        raise_if_interrupted()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.before_a_save(args, state, control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.before_a_save(args, state, control)
+
+    def on_save(self, args, state, control, **kwargs):
+        self.trainer.accelerator.wait_for_everyone()  # every process has written its part
+        self.saving = None
+        if not args.should_save:
+            return
+        run_dir = self.run_dir(args)
+        checkpoint = run_dir / f"checkpoint-{state.global_step}"
+        run_id = (read_record(run_dir) or {}).get("run")
+        marked = complete_checkpoints(run_dir, run_id)
+        order = 1 + max((read_record(path).get("saved", 0) for path in marked), default=0)
+        fsync_tree(checkpoint)
+        _write_json_atomically(checkpoint / RECORD_NAME, {"run": run_id, "step": state.global_step, "saved": order,
+                                                          **self.trainer.checkpoint_mark()})
+        self.rotate(run_dir, run_id, state.best_model_checkpoint)
         update_record(run_dir)  # what this run wrote so far, should it be killed
 
-    def _rotate_run_checkpoints(self, run_dir, run_id, limit):
-        if not limit or limit <= 0:
+    def rotate(self, run_dir, run_id, best):
+        if not self.limit or self.limit <= 0:
             return
-        checkpoints = [str(path) for path in complete_checkpoints(run_dir, run_id)]
-        best = self.state.best_model_checkpoint
-        if best in checkpoints and checkpoints[-1] != best:
-            # As Trainer: the best checkpoint is kept, and so is the newest (to resume from).
-            checkpoints.remove(best)
-            checkpoints.insert(-1, best)
-            limit = max(limit, 2)
-        for path in checkpoints[:max(len(checkpoints) - limit, 0)]:
-            doomed = Path(path).with_name(f".{Path(path).name}.removed")
-            os.rename(path, doomed)  # never a half-deleted checkpoint-N
-            shutil.rmtree(doomed, ignore_errors=True)
+        checkpoints = complete_checkpoints(run_dir, run_id)  # the one just saved last
+        kept = {checkpoints[-1].name, Path(best).name if best else None}
+        removable = [path for path in checkpoints if path.name not in kept]
+        excess = len(checkpoints) - max(self.limit, len(kept & {path.name for path in checkpoints}))
+        for path in removable[:max(excess, 0)]:
+            remove_folder(path)
+
+    @contextmanager
+    def failed_save_reported(self):
+        """A save cut short (an error, Ctrl-C) leaves nothing: what Trainer wrote of the checkpoint is removed,
+        freeing its room; one that cannot be written (a full disk) ends the run with one WriteFailed line naming it
+        (the command adds what the folder holds)."""
+        try:
+            yield
+        except BaseException as error:
+            if not self.saving:
+                raise
+            partial = self.run_dir(self.trainer.args) / self.saving
+            if self.trainer.args.should_save and partial.is_dir() and read_record(partial) is None:
+                remove_folder(partial)  # a save cut short (a full disk, Ctrl-C) leaves nothing
+            reason = write_failure(error, self.trainer.args.output_dir) if isinstance(error, Exception) else None
+            if reason is None:
+                raise
+            raise WriteFailed(f"writing {self.saving} failed ({reason})") from error
+
+
+@contextmanager
+def progress_bars_closed(trainer):
+    """A run that stops (an error, Ctrl-C) closes the Trainer's progress bars first: left open, a bar is drawn again
+    as Python exits, and the command's one `error:` or `interrupted:` line would land on the bar's line."""
+    try:
+        yield
+    except BaseException:
+        for callback in trainer.callback_handler.callbacks:
+            for bar in (getattr(callback, "training_bar", None), getattr(callback, "prediction_bar", None)):
+                if bar is not None:
+                    bar.leave = False
+                    bar.close()
+        raise
 
 
 class _CheckpointLoaded(Exception):
@@ -543,6 +634,5 @@ class _StopBeforeTheFirstStep(TrainerCallback):
         raise _CheckpointLoaded
 
 
-__all__ = ["RunFolderArguments", "RunFolder", "RunInput", "RunFolderTrainerMixin", "complete_checkpoints",
-           "training_settings",
-           "read_record"]
+__all__ = ["RunFolderArguments", "RunFolder", "RunInput", "RunFolderTrainerMixin", "CheckpointMarks",
+           "complete_checkpoints", "progress_bars_closed", "training_settings", "read_record"]

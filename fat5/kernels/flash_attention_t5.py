@@ -80,16 +80,32 @@ HOPPER = {  # wgmma, 227 KB: no spills and no serialised wgmma with triton 3.6
     "dq": ((64, 64, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2)),
     "dq dropout": ((128, 32, 8, 2), (128, 32, 8, 2), (128, 32, 8, 2)),
 }
-# tcgen05, 227 KB: Hopper's tiles but dQ's at d <= 64, whose 64 x 64 tiles on 4 warps spill there.
-BLACKWELL = dict(HOPPER, dq=((128, 32, 8, 2), (128, 32, 8, 2), (128, 32, 8, 2)))
+# tcgen05, 227 KB: Hopper's tiles but where they spill there (triton 3.6 / 3.9): dQ on 128 x 32, 8 warps, at d <= 64
+# (64 x 64 on 4 warps spilled 124 bytes); with dropout the forward on 128 x 32 at d = 64 (128 x 64 spilled 8 bytes
+# in the decoder) and dK/dV on 64 x 64, 8 warps (128 x 64 spilled 140-252 packed at d = 64; 64 x 32 on 4 warps
+# 72-708 at d = 128).
+BLACKWELL = {
+    "forward": ((128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 8, 2)),
+    "forward dropout": ((128, 32, 8, 3), (128, 32, 8, 3), (128, 32, 8, 2)),
+    "dkdv": ((64, 64, 4, 2), (64, 64, 4, 2), (64, 32, 8, 2)),
+    "dkdv dropout": ((64, 64, 8, 2), (64, 64, 8, 2), (64, 64, 8, 2)),
+    "dq": ((128, 32, 8, 2), (128, 32, 8, 2), (128, 32, 8, 2)),
+    "dq dropout": ((128, 32, 8, 2), (128, 32, 8, 2), (128, 32, 8, 2)),
+}
 AMPERE = {  # mma.sync, operands in registers, 99 KB (163 KB on sm_80): 32-wide key tiles
     "forward": ((128, 32, 8, 3), (128, 32, 8, 3), (128, 32, 8, 3)),
     "forward dropout": ((128, 32, 8, 3), (128, 32, 8, 3), (128, 32, 8, 3)),
     "dkdv": ((64, 32, 4, 2), (64, 32, 4, 2), (64, 32, 8, 2)),
     "dkdv dropout": ((32, 32, 4, 2), (32, 32, 4, 2), (64, 32, 8, 2)),
     "dq": ((64, 32, 4, 2), (64, 32, 4, 2), (64, 32, 4, 2)),
-    "dq dropout": ((128, 32, 8, 2), (128, 32, 8, 2), (64, 16, 8, 2)),
+    "dq dropout": ((128, 32, 8, 2), (128, 32, 8, 2), (32, 32, 8, 2)),  # d = 128: 64 x 16 spilled 16 on sm_80
 }
+# sm_120 (consumer Blackwell): mma.sync and 99 KB like Ampere, but its registers run out sooner: 16-wide key tiles
+# at d = 128 (32-wide spill 24-164 bytes under triton 3.9), dQ on 32 x 32 at d <= 64 (64 x 32 spilled up to 228).
+RTX_BLACKWELL = dict(AMPERE, forward=((128, 32, 8, 3), (128, 32, 8, 3), (128, 16, 8, 3)),
+                     dkdv=((64, 32, 4, 2), (64, 32, 4, 2), (64, 16, 8, 2)),
+                     dq=((32, 32, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2)))
+RTX_BLACKWELL["forward dropout"] = RTX_BLACKWELL["forward"]
 TURING = {  # no tensor cores in Triton's build (FMA dots hold whole operand rows in registers), 64 KB: small tiles
     # on 8 warps (at d = 128, 16 x 16: one score a thread, or the forward and dQ spill 0.7-2.5 KB)
     "forward": ((32, 32, 8, 1), (32, 32, 8, 1), (16, 16, 8, 1)),
@@ -100,7 +116,7 @@ TURING = {  # no tensor cores in Triton's build (FMA dots hold whole operand row
     "dq dropout": ((32, 32, 8, 1), (32, 32, 8, 1), (16, 16, 8, 1)),
 }
 # Compute capability (major * 10 + minor) -> tiles; a chip not listed takes the nearest generation below it.
-TILES = {75: TURING, 80: AMPERE, 86: AMPERE, 89: AMPERE, 90: HOPPER, 100: BLACKWELL, 120: AMPERE}
+TILES = {75: TURING, 80: AMPERE, 86: AMPERE, 89: AMPERE, 90: HOPPER, 100: BLACKWELL, 120: RTX_BLACKWELL}
 
 
 def chip_tiles(capability, kernel, head_dim, dropout=False):

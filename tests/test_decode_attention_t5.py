@@ -125,6 +125,21 @@ def test_the_model_s_transposed_projections():
           FP32_TOLERANCE)
 
 
+def test_a_shared_lookup_table_gives_the_table_s_result():
+    """The layers of one forward share the T5 lookup table (`bias_lut`, gathered once by the seam): the same output
+    as the bucket table's; a table of the wrong shape, or both forms at once, is refused."""
+    q, k, v, padding, table = tensors(2, 3, 2, 40)
+    options = dict(bidirectional=False, num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE, causal=True,
+                   q_offset=38, key_padding_mask=padding)
+    lut = training_kernel.relative_bias_lut(table, False, NUM_BUCKETS, MAX_DISTANCE)
+    expected = decode_attention_t5(q, k, v, bias_table=table, **options)
+    assert torch.equal(decode_attention_t5(q, k, v, bias_lut=lut, **options), expected)
+    with pytest.raises(ValueError, match="bias_lut must be"):
+        decode_attention_t5(q, k, v, bias_lut=lut[:2], **options)
+    with pytest.raises(ValueError, match="pass one of"):
+        decode_attention_t5(q, k, v, bias_lut=lut, bias_table=table, **options)
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda q, k: dict(query=q.expand(-1, -1, DECODE_MAX_QUERIES + 1, -1)), "at most 16 query rows"),
     (lambda q, k: dict(query=q.requires_grad_()), "forward only"),

@@ -568,3 +568,15 @@ def test_recipes_say_a_flan_t5_fine_tunes_with_its_own_dropout_on_the_kernel():
     fire = tiny_config(dropout_rate=0.1, d_kv=64, position_encoding_type="fire")
     assert training_attention(fire, torch.device("cuda")).startswith("attention in training: SDPA on cuda")
     assert training_attention(object(), torch.device("cuda")) is None
+
+
+def test_predict_shows_progress_and_says_where_it_wrote(demo_fat5, data, tmp_path, capsys):
+    output = tmp_path / "predictions.csv"
+    assert predict.main(["--model", demo_fat5, "--input_file", data["double_test"], "--output_file", str(output),
+                         "--reference_column", "target", "--batch_size", "4", "--max_new_tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    assert "accuracy" in json.loads(captured.out)  # stdout: the score only
+    lines = captured.err.replace("\r", "\n").strip().splitlines()
+    assert any(line.startswith("generating: 100%") and "9/9" in line for line in lines), lines
+    assert lines[-1] == f"wrote 9 rows (source, reference, prediction) to {output}", lines
+    assert len(list(csv.DictReader(output.open(newline="")))) == 9

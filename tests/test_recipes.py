@@ -410,10 +410,41 @@ def test_the_default_log_fits_a_screen(demo_fat5, data, tmp_path, ci):
     lines = [line for line in (process.stdout + process.stderr).splitlines() if line.strip()]
     text = "\n".join(lines)
     assert '"d_model"' not in text and "Model config" not in text and "pin_memory" not in text, text
+    assert "Setting accelerator to CPU" not in text, text  # DeepSpeed's, when installed: the run does not use it
     assert len([line for line in lines if "model: FAT5ForConditionalGeneration from " in line]) == 1, text
     messages = [line.split(": ", 1)[-1] for line in lines if "WARNING" in line or "warn" in line.lower()]
     assert len(messages) == len(set(messages)), text
     assert len(lines) < 40, text
+
+
+def test_warnings_nobody_can_act_on_are_left_out_and_those_asked_for_kept():
+    """On a CPU, pinned memory is off unless --dataloader_pin_memory is given (torch would warn that it has nothing to
+    pin for); DeepSpeed's notice that it found no GPU is left out, by its message and module only, unless the run uses
+    DeepSpeed."""
+    import logging
+    from types import SimpleNamespace
+
+    from fat5.training.quiet import quiet_trainer_run
+
+    def training_args(**flags):
+        return SimpleNamespace(**{"device": torch.device("cpu"), "dataloader_pin_memory": True, "deepspeed": None,
+                                  **flags})
+
+    quiet = training_args()
+    quiet_trainer_run(quiet, given=set())
+    asked = training_args()
+    quiet_trainer_run(asked, given={"dataloader_pin_memory"})
+    assert quiet.dataloader_pin_memory is False and asked.dataloader_pin_memory is True
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    notice = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+
+    def shown(message, path="site-packages/deepspeed/accelerator/real_accelerator.py"):
+        return bool(deepspeed_logger.filter(deepspeed_logger.makeRecord(
+            "DeepSpeed", logging.WARNING, path, 213, message, None, None)))
+
+    assert not shown(notice) and shown(notice, path="elsewhere.py") and shown("another warning")
+    quiet_trainer_run(training_args(deepspeed="ds_config.json"), given={"deepspeed"})
+    assert shown(notice)
 
 
 @pytest.mark.slow

@@ -38,7 +38,8 @@ from fat5.files import (
 from fat5.recipes.arguments import SEQ2SEQ_DEFAULTS, FileFormatArguments, ModelArguments
 from fat5.recipes.data import load_dataset_splits, read_table, write_predictions
 from fat5.training.finite import check_finite_weights
-from fat5.training.flags import check_trainer_values, parse, parser
+from fat5.training.flags import check_trainer_values, given_flags, parse, parser
+from fat5.training.quiet import quiet_trainer_run
 from fat5.training.run_folder import (
     TRAINING_SETTINGS,
     RunFolder,
@@ -372,7 +373,7 @@ def fine_tune(recipe, argv=None, progress=None):
                       f"(evaluate or predict with --model_name_or_path {training_args.output_dir}, without --do_train)")
                 return None
         return train_evaluate_predict(recipe, model_args, data_args, training_args, classes, tables, examples,
-                                      run_folder)
+                                      run_folder, argv)
 
 
 def run_inputs(model_args, data_args, training_args, argv):
@@ -414,15 +415,13 @@ def check_resumable_changes(changed, training_args):
                            f"checkpoint (--model_name_or_path {training_args.output_dir}/checkpoint-N)")
 
 
-def train_evaluate_predict(recipe, model_args, data_args, training_args, classes, tables, examples, run_folder):
+def train_evaluate_predict(recipe, model_args, data_args, training_args, classes, tables, examples, run_folder,
+                           argv=None):
     resume = run_folder.resume_checkpoint if run_folder else None
     if resume:
         check_model_folder(resume, also=CHECKPOINT_JSON)  # before Trainer reads them
     setup_logging(training_args)
-    if training_args.device.type == "cpu":
-        # Pinned memory only speeds up copies to an accelerator; on the CPU torch ignores it, with a warning for
-        # every data loader.
-        training_args.dataloader_pin_memory = False
+    quiet_trainer_run(training_args, given_flags(argv))
     register_auto_classes()  # the folder loads with this installation's FAT5 classes (transformers 5 prefers them)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
     encoded = {split: encode(tokenizer, *examples[split], data_args, classes, tables[split]) for split in tables}

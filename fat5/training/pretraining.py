@@ -17,7 +17,7 @@ from fat5.files import CHECKPOINT_JSON, check_model_folder, check_tokenizer_fold
 
 from .data import DenoisingDataset, Documents, add_missing_tokens, sentencepiece_pieces, train_sentencepiece
 from .denoising import MIXTURES, DenoisingMixture, sentinel_token_ids
-from .flags import RunFolderArguments, check_trainer_values, parse, parser
+from .flags import RunFolderArguments, check_trainer_values, given_flags, parse, parser
 from .models import (
     PRESETS,
     check_checkpoint_shapes,
@@ -30,6 +30,7 @@ from .models import (
 from .optim import AdamWScale
 from .packing import PackedSeq2SeqCollator
 from .pretrain_flags import DEFAULTS, PROG, USAGE, PretrainArguments, defaults_line
+from .quiet import quiet_trainer_run
 from .run_folder import TRAINING_SETTINGS, RunFolder, RunInput, progress_bars_closed, read_record, training_settings
 from .trainer import PretrainTrainer, shard_examples
 
@@ -206,6 +207,7 @@ def pretrain(args, training_args, argv, progress):
             with training_args.main_process_first(desc="tokenizer"):  # one process trains it, the others load it
                 tokenizer = trained_tokenizer(args, training_args, documents, prefixes)
             dataset = denoising_dataset(args, training_args, documents, tokenizer)
+        quiet_trainer_run(training_args, given_flags(argv))
         train(args, training_args, tokenizer, dataset, run_folder)
 
 

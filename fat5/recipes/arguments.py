@@ -126,6 +126,7 @@ class Recipe:
     seq2seq: Seq2SeqTrainer and its flags, generating for evaluation; False: the plain Trainer, no --do_predict.
     libraries: what the recipe imports of the "recipes" extra besides Trainer's accelerate and datasets (its
         metric's library), checked before anything runs.
+    task: the Hub task id its model cards name.
     """
 
     examples: Callable = source_target
@@ -135,6 +136,7 @@ class Recipe:
     data_arguments: type = DataArguments
     seq2seq: bool = True
     libraries: tuple = ()
+    task: str = "text2text-generation"
 
 
 # The Trainer defaults a seq2seq recipe changes: evaluation and --do_predict generate (and score the texts).

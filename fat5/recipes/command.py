@@ -3,6 +3,7 @@
 with the runner (fat5/recipes/runner.py), which parses the flags, inside `fat5.cli.run`, where Ctrl-C is handled.
 """
 
+from fat5 import cli
 from fat5.cli import require, run
 from fat5.recipes.arguments import SEQ2SEQ_DEFAULTS, FileFormatArguments, ModelArguments
 from fat5.training.flags import CommandFlags, RunFolderArguments
@@ -36,7 +37,7 @@ def recipe_main(recipe, name, description):
         require("recipes", "accelerate", "datasets", *recipe.libraries)
         from fat5.recipes.runner import fine_tune  # heavy imports, once Ctrl-C is handled
 
-        fine_tune(recipe, argv, progress)
+        fine_tune(recipe, argv, progress, program=cli.program or f"python -m fat5.recipes.{name}")
 
     def main(argv=None):
         return run(command, argv, extra="recipes")

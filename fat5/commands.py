@@ -28,6 +28,8 @@ COMMANDS = {
     "classify": ("fat5.recipes.classify", "fine-tune a classifier, as text or with a classification head "
                                           "(\"recipes\" extra)"),
     "predict": ("fat5.recipes.predict", "generate with a saved folder into a CSV (\"recipes\" extra)"),
+    "sample-data": ("fat5.recipes.sample_data", "write small data files for every recipe and for pretraining (the "
+                                                "docs' examples run on them)"),
     "bench": (None, "run a script of benchmarks/ (a source checkout only: the scripts are not in the wheel)"),
 }
 PROG = "fat5"

@@ -676,3 +676,31 @@ def test_predict_shows_progress_and_says_where_it_wrote(demo_fat5, data, tmp_pat
     assert any(line.startswith("generating: 100%") and "9/9" in line for line in lines), lines
     assert lines[-1] == f"wrote 9 rows (source, reference, prediction) to {output}", lines
     assert len(list(csv.DictReader(output.open(newline="")))) == 9
+
+
+def test_sample_data_writes_a_file_for_every_format_and_keeps_what_is_there(tmp_path, capsys):
+    from fat5.recipes import sample_data
+    from fat5.recipes.data import FORMATS, read_table
+    from fat5.training.data import Documents
+
+    folder = tmp_path / "data"
+    assert sample_data.main([str(folder), "--rows", "24"]) == 0
+    files = sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file())
+    assert files == sorted(sample_data.sample_files(24)) and {Path(name).suffix for name in files} >= set(FORMATS)
+    columns = {"translation": ["words", "digits"], "summaries": ["document", "summary"], "pairs": ["source", "target"],
+               "nli": ["premise", "hypothesis", "label"]}
+    for name in files:
+        task, _, split = Path(name).stem.partition("_")
+        if task in columns:
+            table = read_table(folder / name)
+            assert list(table.columns) == columns[task] and len(table) == (24 if split == "train" else 3), name
+    assert Documents([str(folder / "corpus"), str(folder / "domain.jsonl")], "text").files
+    # The same command again keeps the files; a file of the user's under one of the names is refused, untouched.
+    assert sample_data.main([str(folder), "--rows", "24"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote 0 sample files to {folder} (15 already there)"
+    (folder / "pairs_dev.csv").write_text("mine\n")
+    assert sample_data.main([str(folder), "--rows", "24"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {folder}/pairs_dev.csv exists with other content (another --rows or --seed, or a file of yours); "
+        f"choose another folder"]
+    assert (folder / "pairs_dev.csv").read_text() == "mine\n"

@@ -139,5 +139,13 @@ class Recipe:
     task: str = "text2text-generation"
 
 
+# The Trainer defaults every recipe changes: the loss is logged ten times a run, whatever its length (Trainer's 500
+# steps would log nothing in a short run, and every 500 steps in a long one).
+RECIPE_DEFAULTS = {"logging_steps": 0.1}
 # The Trainer defaults a seq2seq recipe changes: evaluation and --do_predict generate (and score the texts).
 SEQ2SEQ_DEFAULTS = {"predict_with_generate": True}
+
+
+def changed_defaults(recipe):
+    """The Trainer defaults `recipe` changes: {flag: value}."""
+    return {**RECIPE_DEFAULTS, **(SEQ2SEQ_DEFAULTS if recipe.seq2seq else {})}

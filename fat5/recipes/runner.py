@@ -35,7 +35,7 @@ from fat5.files import (
     check_tokenizer_folder,
     pickles_refused,
 )
-from fat5.recipes.arguments import SEQ2SEQ_DEFAULTS, FileFormatArguments, ModelArguments
+from fat5.recipes.arguments import FileFormatArguments, ModelArguments, changed_defaults
 from fat5.recipes.data import load_dataset_splits, read_table, write_predictions
 from fat5.training.finite import check_finite_weights
 from fat5.training.flags import check_trainer_values, given_flags, parse, parser
@@ -84,7 +84,7 @@ def recipe_dataclasses(recipe):
     """The dataclasses of a recipe's flags, in --help's order, and the Trainer defaults it changes."""
     training_class = RecipeSeq2SeqTrainingArguments if recipe.seq2seq else RecipeTrainingArguments
     return ((ModelArguments, recipe.data_arguments, FileFormatArguments, training_class),
-            SEQ2SEQ_DEFAULTS if recipe.seq2seq else {})
+            changed_defaults(recipe))
 
 
 def recipe_parser(recipe, prog=None, description=None, usage=None):

@@ -190,12 +190,13 @@ _interruptions = []
 # What a command that imports torch and transformers says first, on a terminal: those imports take seconds (tens on a
 # cold disk), and nothing else would show that the command started. "fat5 COMMAND" when fat5.commands runs it.
 program = None
-SLOW_IMPORTS = ("torch", "transformers")
+SLOW_IMPORTS = ("torch", "transformers", "datasets")  # datasets: the recipes import it first (pandas, pyarrow)
 
 
 class LoadingNotice:
     """An import hook (first on sys.meta_path) that finds no module: when torch or transformers starts to load, it
-    prints `fat5 COMMAND: loading torch and transformers...` to stderr, once, and removes itself."""
+    prints `fat5 COMMAND: loading torch and transformers...` to stderr, once, and removes itself (datasets, which
+    imports them, counts too)."""
 
     def find_spec(self, name, path=None, target=None):
         if name in SLOW_IMPORTS:

@@ -121,24 +121,25 @@ def test_help_lists_the_flags_hf_argument_parser_reads(command):
         assert shown[name].required == action.required, name
 
 
-def test_a_command_says_it_loads_torch_before_it_does_on_a_terminal():
+@pytest.mark.parametrize("command, first", [(["train", "--do_train"], "datasets"), (["pretrain"], "torch")])
+def test_a_command_says_it_loads_torch_before_it_does_on_a_terminal(command, first):
     """On a terminal, a command's first line comes before torch and transformers start to load (they take seconds):
-    here the import of torch is stopped, and the line is already there. Off a terminal (a log, a pipe: every other
-    test) the command prints only its own lines."""
+    here the first heavy import is stopped (the recipes' is datasets, pretraining's torch), and the line is already
+    there. Off a terminal (a log, a pipe: every other test) the command prints only its own lines."""
     import pty
 
-    code = """
+    code = f"""
 import os, sys
 
 class StopAtTorch:
     def find_spec(self, name, path=None, target=None):
-        if name in ("torch", "transformers"):
-            sys.stderr.write(f"importing {name}\\n")
+        if name in ("torch", "transformers", "datasets"):
+            sys.stderr.write(f"importing {{name}}\\n")
             sys.stderr.flush()
             os._exit(0)
 
 sys.meta_path.insert(0, StopAtTorch())  # behind the LoadingNotice the command puts first
-sys.argv = ["fat5", "train", "--model_name_or_path", "m", "--output_dir", "o", "--do_train"]
+sys.argv = ["fat5", *{command!r}, "--model_name_or_path", "m", "--output_dir", "o"]
 from fat5.commands import console_main
 console_main()
 """
@@ -152,7 +153,8 @@ console_main()
         os.close(follower)
     lines = output.replace("\r", "").splitlines()
     assert process.returncode == 0, lines
-    assert lines[:1] == ["fat5 train: loading torch and transformers..."] and lines[1].startswith("importing "), lines
+    assert lines[:1] == [f"fat5 {command[0]}: loading torch and transformers..."], lines
+    assert lines[1:] == [f"importing {first}"], lines
 
 
 @pytest.mark.parametrize("command, module, extra", [("onnx", "optimum", "onnx"), ("ct2", "ctranslate2", "ct2")])

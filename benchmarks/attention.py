@@ -20,8 +20,11 @@ With --dropout P every implementation drops attention probabilities with probabi
 dropout: its rows say so); each output is compared with FAT5's at P = 0, since the masks differ, in a first call
 that also compiles. FLOPs: forward 4·B·H·L²·D (half of it when causal); forward+backward counts 3.5× the forward.
 Every row is written to the JSON lines in --out the moment it is measured.
---decode times one generation step instead (fat5 with q_offset = Lk - 1, sdpa_dense_bias with the bias row
-transformers builds, sdpa_nobias as the bar to reach), in microseconds, batch 1 and 32, Lk = 512...8192.
+--decode times one generation step instead (fat5: the decode kernel that generation runs, with the position
+q_offset = Lk - 1 as a device tensor, as a static cache gives it; sdpa_dense_bias with the bias row transformers
+builds; sdpa_nobias as the bar to reach; on request fat5_training, the training kernel's one 128-row tile per
+(batch, head) that decode steps ran before the decode kernel), in microseconds, batch 1 and 32, Lk = 512...8192.
+>>>>>>> decode
 """
 
 import contextlib
@@ -46,6 +49,7 @@ try:
 except ImportError:
     print(f"attention.py: needs triton ({common.BENCH_EXTRA})", file=sys.stderr)
     sys.exit(2)
+from fat5.kernels.decode_attention_t5 import decode_attention_t5  # noqa: E402
 from fat5.kernels.flash_attention_t5 import flash_attention_t5  # noqa: E402
 from fat5.reference_fat5 import relative_position_bucket  # noqa: E402
 
@@ -56,7 +60,7 @@ SDPA_BACKENDS = {"sdpa_dense_bias": None, "sdpa_efficient_bias": SDPBackend.EFFI
                  "sdpa_cudnn_bias": SDPBackend.CUDNN_ATTENTION}  # None: SDPA's own choice
 # Not peers in the "fat5 / best peer" ratio: FAT5 itself and the no-bias ceiling.
 NOT_PEERS = ("fat5", "fat5_nodropout", "sdpa_nobias")
-DECODE_IMPLEMENTATIONS = ("fat5", "sdpa_dense_bias", "sdpa_nobias")
+DECODE_IMPLEMENTATIONS = ("fat5", "fat5_training", "sdpa_dense_bias", "sdpa_nobias")
 
 
 def dense_bias(table, length, causal):
@@ -109,11 +113,15 @@ def run(name, q, k, v, table, causal, dropout_p=0.0):
     raise ValueError(f"unknown implementation {name}")
 
 
-def decode_step(name, q, k, v, table):
-    """One decoder self-attention step: Lq new queries at positions Lk - Lq... against a cache of Lk keys."""
+def decode_step(name, q, k, v, table, position):
+    """One decoder self-attention step: Lq new queries at positions Lk - Lq... against a cache of Lk keys;
+    `position`: Lk - Lq as a one-element device tensor."""
     query_length, key_length = q.shape[2], k.shape[2]
     past = key_length - query_length
     if name == "fat5":
+        return decode_attention_t5(q, k, v, bias_table=table, bidirectional=False, num_buckets=NUM_BUCKETS,
+                                   max_distance=MAX_DISTANCE, causal=True, q_offset=position)
+    if name == "fat5_training":
         return flash_attention_t5(q, k, v, bias_table=table, bidirectional=False, num_buckets=NUM_BUCKETS,
                                   max_distance=MAX_DISTANCE, causal=True, q_offset=past)
     if name == "sdpa_dense_bias":
@@ -144,18 +152,19 @@ def decode(args, stamp, rows):
             k, v = (torch.randn(batch, args.heads, key_length, args.head_dim, device=device, dtype=dtype,
                                 generator=generator) for _ in range(2))
             table = torch.randn(NUM_BUCKETS, args.heads, device=device, generator=generator)
+            position = torch.full((1,), key_length - 1, dtype=torch.int64, device=device)
             with torch.no_grad():
-                ours = decode_step("fat5", q, k, v, table).float()
+                ours = decode_step("fat5", q, k, v, table, position).float()
                 cells, times = [], {}
                 for name in names:
                     row = dict(implementation=name, L=key_length, batch=batch, causal=True, **{"pass": "decode"},
                                tflops=None, ms=None, peak_mib=None, status="ok")
                     try:
-                        difference = (decode_step(name, q, k, v, table).float() - ours).abs().max().item()
-                        if name == "sdpa_dense_bias" and difference > (5e-2 if args.dtype != "float32" else 1e-3):
+                        difference = (decode_step(name, q, k, v, table, position).float() - ours).abs().max().item()
+                        if name != "sdpa_nobias" and difference > (5e-2 if args.dtype != "float32" else 1e-3):
                             row["status"] = f"mismatch: max|out - fat5| = {difference:.3g}"
-                        row["ms"] = common.time_ms(lambda: decode_step(name, q, k, v, table), args.reps, args.warmup,
-                                                   args.max_seconds)
+                        row["ms"] = common.time_ms(lambda: decode_step(name, q, k, v, table, position), args.reps,
+                                                   args.warmup, args.max_seconds)
                         times[name] = row["ms"]
                     except Exception as error:  # out of memory, or a backend missing here: a row, not a crash
                         row["status"] = common.error_status(error)
@@ -323,9 +332,10 @@ def parse_args():
     if args.dropout and args.decode:
         parser.error("--dropout applies to training passes, not to --decode")
     args.impl = [name.strip() for name in args.impl.split(",")]
-    unknown = sorted(set(args.impl) - set(IMPLEMENTATIONS))
+    known = IMPLEMENTATIONS + (("fat5_training",) if args.decode else ())
+    unknown = sorted(set(args.impl) - set(known))
     if unknown:
-        parser.error(f"unknown --impl {unknown}; choose from {IMPLEMENTATIONS}")
+        parser.error(f"unknown --impl {unknown}; choose from {known}")
     common.require_gpu(args, "run --smoke (it checks the script in Triton's interpreter)")
     return args
 

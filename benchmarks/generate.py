@@ -16,6 +16,14 @@ the time; ms_per_token is the time of a generate call over its new tokens. Cache
 transformers' automatic compilation is disabled so each row is what its name says. Before timing, every model's
 logits are compared with the eager T5's (fp32); each row also records whether its tokens equal FAT5's (dynamic
 cache, eager) for the same inputs. Every row is written to the JSON lines in --out the moment it is measured.
+FAT5 runs as users get it: on CUDA its decode steps run the decode kernel (fat5/kernels/decode_attention_t5.py: a
+static cache's position stays on the device, so "static+compile" replays CUDA graphs), on CPU SDPA.
+
+`--impl ...,ct2_fp32,ct2_int8` adds CTranslate2 (`pip install ctranslate2`), the engine a CPU user would pick: FAT5's
+model exported by convert/ct2_fat5.py, run by `ctranslate2.Translator` with float32 or int8 compute, greedy,
+exactly --new-tokens tokens, with its own cache (rows with cache "own"; the table's `best` rows compare it).
+`--rounds N` runs the whole comparison N times, every other round in reverse order; the table keeps each row's
+median round (every round's rows are in the JSON lines).
 """
 
 
@@ -25,6 +33,8 @@ import common
 
 CACHES = ("dynamic", "static", "static+compile")
 DEFAULT_IMPL = "fat5,t5_eager,t5_sdpa,t5_flex"
+# CTranslate2 runs of FAT5's export: their compute type.
+CT2 = {"ct2_fp32": "float32", "ct2_int8": "int8"}
 
 
 def token_mismatch(tokens, reference):
@@ -50,7 +60,7 @@ def cuda_graph_skips():
     return counters["inductor"]["cudagraph_skips"]
 
 
-def generate_rows(name, model, args, fat5_tokens, rows, status):
+def generate_rows(name, model, args, fat5_tokens, rows, status, round_=0):
     """Append to `rows` one row per (encoder length, cache, batch): generated tokens/s, ms per generate call and per
     new token, peak MiB, agreement with FAT5's tokens, status."""
     device = common.device()
@@ -62,16 +72,14 @@ def generate_rows(name, model, args, fat5_tokens, rows, status):
             model.forward = torch.compile(eager_forward, mode=mode, dynamic=False)
         for encoder_length in args.encoder_lengths:
             for batch in args.batches:
-                generator = torch.Generator().manual_seed(batch)
-                input_ids = torch.randint(2, args.shape["vocab_size"], (batch, encoder_length),
-                                          generator=generator).to(device)
+                input_ids = encoder_input(batch, encoder_length, args).to(device)
                 options = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                                max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, disable_compile=True)
                 if cache != "dynamic":
                     options["cache_implementation"] = "static"
                 row = dict(implementation=name, cache=cache, batch=batch, encoder_length=encoder_length,
                            new_tokens=args.new_tokens, tokens_per_s=None, ms=None, ms_per_token=None, peak_mib=None,
-                           same_tokens_as_fat5=None, cuda_graph_skips=None, status=status)
+                           same_tokens_as_fat5=None, cuda_graph_skips=None, status=status, round=round_)
                 skips = cuda_graph_skips()
                 try:
                     outputs = []
@@ -101,6 +109,78 @@ def generate_rows(name, model, args, fat5_tokens, rows, status):
     model.forward = eager_forward
 
 
+def encoder_input(batch, length, args):
+    """The (batch, length) input ids every implementation generates from at this batch size and length."""
+    generator = torch.Generator().manual_seed(batch)
+    return torch.randint(2, args.shape["vocab_size"], (batch, length), generator=generator)
+
+
+def ct2_export(reference, folder):
+    """FAT5's model (`reference`'s weights) exported for CTranslate2 by convert/ct2_fat5.py into folder/ct2, with a
+    word-level tokenizer of one token per id ("t<id>"); returns the ids' token strings, in id order."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from convert.ct2_fat5 import main as ct2_main
+
+    vocabulary = ["<pad>", "</s>", "<unk>"] + [f"t{i}" for i in range(3, reference.config.vocab_size)]
+    tokenizer = Tokenizer(models.WordLevel({token: i for i, token in enumerate(vocabulary)}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(folder / "fat5")
+    common.build_model("fat5", reference).save_pretrained(folder / "fat5")
+    if ct2_main([str(folder / "fat5"), str(folder / "ct2"), "--no-verify"]) != 0:
+        raise RuntimeError("convert/ct2_fat5.py could not export FAT5's model (its error line is above)")
+    return vocabulary
+
+
+def ct2_rows(names, reference, args, fat5_tokens, rows, round_=0):
+    """Append to `rows` one row per (CTranslate2 compute type in `names`, encoder length, batch): FAT5's export
+    generating as generate_rows' models do (greedy, exactly --new-tokens tokens, the same inputs), its own cache."""
+    import tempfile
+    from pathlib import Path
+
+    pending = [dict(implementation=name, cache="own", batch=batch, encoder_length=length, new_tokens=args.new_tokens,
+                    tokens_per_s=None, ms=None, ms_per_token=None, peak_mib=None, same_tokens_as_fat5=None,
+                    cuda_graph_skips=None, status="ok", round=round_)
+               for name in names for length in args.encoder_lengths for batch in args.batches]
+    with tempfile.TemporaryDirectory(prefix="generate_ct2_") as folder:
+        try:
+            import ctranslate2
+
+            vocabulary = ct2_export(reference, Path(folder))
+        except Exception as error:  # no ctranslate2, or an export it refuses: rows, not a crash
+            rows.extend({**row, "status": common.error_status(error)} for row in pending)
+            return
+        index = {token: i for i, token in enumerate(vocabulary)}
+        for row in pending:
+            batch, length = row["batch"], row["encoder_length"]
+            try:
+                translator = ctranslate2.Translator(str(Path(folder) / "ct2"), device=common.device(),
+                                                    compute_type=CT2[row["implementation"]],
+                                                    intra_threads=torch.get_num_threads())
+                source = [[vocabulary[i] for i in ids] for ids in encoder_input(batch, length, args).tolist()]
+                options = dict(beam_size=1, max_decoding_length=args.new_tokens,
+                               min_decoding_length=args.new_tokens, max_input_length=0, return_end_token=True)
+                outputs = []
+                with common.peak_memory() as peak:
+                    ms = common.time_ms(lambda: outputs.append(translator.translate_batch(source, **options)),
+                                        args.reps, args.warmup, args.max_seconds)
+                row.update(ms=round(ms, 3), tokens_per_s=round(batch * args.new_tokens / ms * 1e3, 1),
+                           ms_per_token=round(ms / args.new_tokens, 3), peak_mib=peak["mib"])
+                tokens = torch.tensor([[index[token] for token in result.hypotheses[0]] for result in outputs[-1]])
+                if (length, batch) in fat5_tokens:
+                    mismatch = token_mismatch(tokens, fat5_tokens[(length, batch)][:, 1:].cpu())
+                    row["same_tokens_as_fat5"] = mismatch is None
+                    row["status"] = mismatch or "ok"
+            except Exception as error:  # a compute type this machine lacks: a row, not a crash
+                row["status"] = common.error_status(error)
+            rows.append(row)
+            speed = f"{row['tokens_per_s']:.0f} tok/s {row['ms_per_token']:.2f} ms/token peak {row['peak_mib']} " \
+                f"MiB same tokens as fat5: {row['same_tokens_as_fat5']}" if timed(row) else ""
+            print(f"  {row['implementation']:10s} {'own':15s} encoder={length:<5d} batch={batch:<4d} {speed} "
+                  f"{row['status']}", flush=True)
+
+
 def timed(row):
     """Whether `row` has a speed: it ran, its tokens equal to FAT5's or not (the same number of them either way)."""
     return row["status"] == "ok" or row["status"].startswith("mismatch")
@@ -113,27 +193,33 @@ def best(rows, batch, prefix, cache=None, encoder_length=None):
 
 
 def markdown(rows, args):
+    ct2 = any(name in CT2 for name in args.impl)
     lines = common.markdown_head(
         "Generation",
         f"shape {args.shape}; {args.dtype} weights; {args.new_tokens} new tokens, greedy. Cells: generated "
         "tokens/s (`*`: mismatch, its tokens differ from FAT5's; the row's status in the JSON says where). Ratio: "
-        "FAT5 over the best transformers T5 with the same cache; the `best` rows compare each side's best cache.",
-        ["encoder", "batch", "cache", *args.impl, "fat5 / best T5"])
+        "FAT5 over the best transformers T5 with the same cache; the `best` rows compare each side's best cache"
+        + (" (and FAT5's best with CTranslate2's)." if ct2 else "."),
+        ["encoder", "batch", "cache", *args.impl, "fat5 / best T5", *(["fat5 / best ct2"] if ct2 else [])])
     for length in args.encoder_lengths:
         for batch in args.batches:
-            for cache in args.caches:
+            for cache in args.caches + (["own"] if ct2 else []):
                 cells = []
                 for name in args.impl:
-                    row = next(r for r in rows if (r["implementation"], r["cache"], r["batch"], r["encoder_length"])
-                               == (name, cache, batch, length))
-                    mark = "*" if row["status"].startswith("mismatch") else ""
-                    cells.append(f"{row['tokens_per_s']:.4g}{mark}" if timed(row) else row["status"].split(":")[0])
+                    row = next((r for r in rows if (r["implementation"], r["cache"], r["batch"], r["encoder_length"])
+                                == (name, cache, batch, length)), None)
+                    mark = "*" if row and row["status"].startswith("mismatch") else ""
+                    cells.append("-" if row is None else f"{row['tokens_per_s']:.4g}{mark}" if timed(row)
+                                 else row["status"].split(":")[0])
                 speed = common.ratio(best(rows, batch, "fat5", cache, length), best(rows, batch, "t5_", cache, length))
-                lines.append(f"| {length} | {batch} | {cache} | " + " | ".join(cells) + f" | {speed} |")
+                lines.append(f"| {length} | {batch} | {cache} | " + " | ".join(cells) + f" | {speed} |"
+                             + (" - |" if ct2 else ""))
             bests = [best(rows, batch, name, encoder_length=length) for name in args.impl]
             speed = common.ratio(best(rows, batch, "fat5", None, length), best(rows, batch, "t5_", None, length))
+            ours, theirs = best(rows, batch, "fat5", None, length), best(rows, batch, "ct2", None, length)
+            versus_ct2 = f" {common.ratio(ours, theirs)} |" if ct2 else ""
             lines.append(f"| {length} | {batch} | best | " + " | ".join(f"{b:.4g}" if b else "-" for b in bests)
-                         + f" | {speed} |")
+                         + f" | {speed} |" + versus_ct2)
     return "\n".join(lines) + "\n"
 
 
@@ -142,13 +228,14 @@ def plot(rows, args, path):
     if plt is None:
         return
     figure, axes = plt.subplots(1, len(args.batches), figsize=(5 * len(args.batches), 4), squeeze=False)
+    caches = args.caches + (["own"] if any(name in CT2 for name in args.impl) else [])
     for axis, batch in zip(axes[0], args.batches):
         for offset, name in enumerate(args.impl):
-            speeds = [best(rows, batch, name, cache) or 0 for cache in args.caches]
-            positions = [i + offset / (len(args.impl) + 1) for i in range(len(args.caches))]
+            speeds = [best(rows, batch, name, cache) or 0 for cache in caches]
+            positions = [i + offset / (len(args.impl) + 1) for i in range(len(caches))]
             axis.bar(positions, speeds, width=1 / (len(args.impl) + 1), label=name)
-        axis.set_xticks([i + (len(args.impl) - 1) / (2 * (len(args.impl) + 1)) for i in range(len(args.caches))],
-                      args.caches)
+        axis.set_xticks([i + (len(args.impl) - 1) / (2 * (len(args.impl) + 1)) for i in range(len(caches))],
+                      caches)
         axis.set(ylabel="generated tokens/s", title=f"batch {batch}")
         axis.legend(fontsize=7)
     common.save_figure(figure, f"T5 generation, {common.device_name()}", path)
@@ -162,11 +249,15 @@ def build_parser():
                         help="tokens each generate call produces (min_new_tokens = max_new_tokens)")
     parser.add_argument("--batches", type=common.positive_ints, default="1,32", help="batch sizes, comma-separated")
     parser.add_argument("--impl", default=DEFAULT_IMPL,
-                        help=f"implementations, comma-separated: fat5 and transformers' "
-                             f"{', '.join(common.T5_ATTENTION)}")
+                        help=f"implementations, comma-separated: fat5, transformers' "
+                             f"{', '.join(common.T5_ATTENTION)}, CTranslate2's {', '.join(CT2)}")
     parser.add_argument("--caches", default=",".join(CACHES), help="caches, comma-separated")
     common.add_model_arguments(parser)
     common.add_timing_arguments(parser, reps=3, warmup=1, seconds=20.0)
+    parser.add_argument("--rounds", type=common.positive_int, default=1,
+                        help="times the whole comparison runs, every other round in reverse order (FAT5 last); "
+                             "the table keeps each row's median round, so that a shared machine's changing load "
+                             "does not favour whichever implementation ran when it was lightest")
     common.add_allow_cpu_argument(parser)
     common.add_output_arguments(parser)
     return parser
@@ -187,11 +278,11 @@ def parse_args():
     args.shape = common.parse_shape(args.shape, base)
     args.impl = [name.strip() for name in args.impl.split(",")]
     args.caches = [cache.strip() for cache in args.caches.split(",")]
-    unknown = [name for name in args.impl if name not in ("fat5", *common.T5_ATTENTION)]
+    unknown = [name for name in args.impl if name not in ("fat5", *common.T5_ATTENTION, *CT2)]
     unknown += [cache for cache in args.caches if cache not in CACHES]
     if unknown:
         parser.error(f"unknown --impl or --caches {unknown}; implementations: fat5, "
-                     f"{', '.join(common.T5_ATTENTION)}; caches: {', '.join(CACHES)}")
+                     f"{', '.join(common.T5_ATTENTION)}, {', '.join(CT2)}; caches: {', '.join(CACHES)}")
     if "fat5" in args.impl:
         args.impl.remove("fat5")
         args.impl.insert(0, "fat5")  # first, so the others can be compared with its tokens
@@ -199,27 +290,53 @@ def parse_args():
     return args
 
 
-def main():
-    args = parse_args()
-    settings = dict(shape=args.shape, dtype=args.dtype, new_tokens=args.new_tokens, reps=args.reps,
-                    warmup=args.warmup, max_seconds=args.max_seconds)
-    rows, fat5_tokens = common.Rows("generate", settings, args.out), {}
-    reference, batch, expected = common.reference_and_check(args.shape, args.dtype)
-    for name in args.impl:
+def sweep(reference, batch, expected, args, fat5_tokens, rows, round_=0):
+    """Append the rows of every implementation (fat5 first, or last in odd rounds: its tokens are known then)."""
+    steps = [name for name in args.impl if name not in CT2] + (["ct2"] if any(n in CT2 for n in args.impl) else [])
+    for name in reversed(steps) if round_ % 2 else steps:
+        if name == "ct2":
+            ct2_rows([name for name in args.impl if name in CT2], reference, args, fat5_tokens, rows, round_)
+            continue
         model, status = common.checked_model(name, reference, batch, expected, args.dtype)
         if model is not None:
-            generate_rows(name, model, args, fat5_tokens, rows, status)
+            generate_rows(name, model, args, fat5_tokens, rows, status, round_)
         else:
             rows.extend(dict(implementation=name, cache=cache, batch=size, encoder_length=length,
                              new_tokens=args.new_tokens, tokens_per_s=None, ms=None, ms_per_token=None, peak_mib=None,
-                             same_tokens_as_fat5=None, cuda_graph_skips=None, status=status)
+                             same_tokens_as_fat5=None, cuda_graph_skips=None, status=status, round=round_)
                         for cache in args.caches for length in args.encoder_lengths for size in args.batches)
         del model
         common.release_memory()
-    common.report(rows, markdown(rows, args), args, plot)
-    mismatches = [row for row in rows if row["status"].startswith("mismatch")]
+
+
+def median_round(rows):
+    """Each (implementation, cache, batch, encoder length)'s row of its median round by time (one that did not run:
+    its first round's), with every round's ms."""
+    groups = {}
+    for row in rows:
+        groups.setdefault((row["implementation"], row["cache"], row["batch"], row["encoder_length"]), []).append(row)
+    summary = []
+    for same in groups.values():
+        ran = sorted((row for row in same if timed(row)), key=lambda row: row["ms"])
+        summary.append(dict(ran[len(ran) // 2] if ran else same[0], rounds_ms=[row["ms"] for row in same]))
+    return summary
+
+
+def main():
+    args = parse_args()
+    settings = dict(shape=args.shape, dtype=args.dtype, new_tokens=args.new_tokens, reps=args.reps,
+                    warmup=args.warmup, max_seconds=args.max_seconds, rounds=args.rounds)
+    rows, fat5_tokens = common.Rows("generate", settings, args.out), {}
+    reference, batch, expected = common.reference_and_check(args.shape, args.dtype)
+    for number in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {number + 1} of {args.rounds}", flush=True)
+        sweep(reference, batch, expected, args, fat5_tokens, rows, number)
+    summary = median_round(rows) if args.rounds > 1 else rows
+    common.report(rows, markdown(summary, args), args, lambda _, options, path: plot(summary, options, path))
+    mismatches = [row for row in summary if row["status"].startswith("mismatch")]
     if mismatches:
-        print(f"{len(mismatches)} of {len(rows)} rows generated other tokens than FAT5 (dynamic cache): "
+        print(f"{len(mismatches)} of {len(summary)} rows generated other tokens than FAT5 (dynamic cache): "
               + "; ".join(f"{r['implementation']} {r['cache']} encoder {r['encoder_length']} batch {r['batch']}: "
                           f"{r['status']}" for r in mismatches))
 

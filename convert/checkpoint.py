@@ -19,7 +19,7 @@ from safetensors import safe_open
 from fat5.cli import CommandError, error_line
 from fat5.compat_fat5 import release
 from fat5.configuration_fat5 import FAT5Config
-from fat5.files import pickle_refusal, read_json_object, refused_pickle
+from fat5.files import pickle_refusal, read_json_object, refused_pickle, safetensors_path
 from fat5.modeling_fat5 import FAT5ForConditionalGeneration
 
 SUPPORTED_MODEL_TYPES = ("t5", "mt5", "umt5")
@@ -118,9 +118,10 @@ class TensorSource:
 
     def _open(self, file):
         if file not in self._handles:
+            path = safetensors_path(file) if file.suffix == ".safetensors" else file
             try:
                 if file.suffix == ".safetensors":
-                    self._handles[file] = safe_open(str(file), framework="pt")
+                    self._handles[file] = safe_open(path, framework="pt")
                 else:
                     # mmap: tensors are read from disk only when touched.
                     self._handles[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from fat5.cli import CheckFailed, CliParser, CommandError, error_line, exit_with, require, run
-from fat5.files import exportable_fat5_config
+from fat5.files import check_tokenizer_folder, exportable_fat5_config
 
 SAMPLE_TOKENS = 8  # decoded greedily by both, from a fixed sample of the vocabulary
 
@@ -68,6 +68,7 @@ def convert(args, progress):
         raise CommandError(f"FOLDER {folder} is not a directory")
     require("ct2", "ctranslate2")
     config = exportable_fat5_config(folder, "ctranslate2")
+    check_tokenizer_folder(folder, "FOLDER", advice="CTranslate2 takes its vocabulary from the tokenizer")
     import ctranslate2
 
     output = AtomicOutput(folder, out, overwrite=args.overwrite, what="CTranslate2 conversion")

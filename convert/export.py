@@ -16,7 +16,7 @@ from convert.checkpoint import SAFETENSORS_DTYPES, iter_converted_tensors
 from convert.hub import render_model_card, task_example
 from convert.parity import verify_parity
 from fat5.cli import CommandError, error_line, write_failures_reported
-from fat5.files import check_model_folder, holds_tokenizer, read_text
+from fat5.files import check_model_folder, holds_tokenizer, printable, read_text
 from fat5.remote_code_fat5 import mark_as_package, write_remote_code
 
 TOKENIZER_FILES = ("spiece.model", "sentencepiece.bpe.model", "tokenizer.json", "tokenizer_config.json",
@@ -93,6 +93,15 @@ def write_safetensors_streaming(plan, folder, dtype, max_shard_size, allow_non_f
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return names
+
+
+def check_out_path(out):
+    """Refuse an OUT whose path is not UTF-8 text: safetensors, which loads the weights written there (the parity
+    proof, then every user), opens only UTF-8 paths."""
+    resolved = Path(out).resolve()
+    if printable(resolved) != str(resolved):
+        raise ExportError(f"OUT {printable(out)} is not a UTF-8 path, and safetensors, which loads the weights "
+                          "written there, opens only UTF-8 paths: choose a UTF-8 name")
 
 
 def export_config(plan, folder, dtype, attention_backend):
@@ -177,10 +186,12 @@ def export(plan, source_folder, output, *, dtype=None, attention_backend="auto",
     the caller knows a better one than the config's task."""
     max_bytes = parse_size(max_shard_size)
     metadata = validate_side_files(source_folder)
-    card = dict(base_model=base_model, source_name=source_name, license=metadata.get("license"),
-                language=metadata.get("language"), family=plan.source_config["model_type"],
+    card = dict(base_model=base_model, source_name=source_name and printable(source_name),
+                license=metadata.get("license"), language=metadata.get("language"),
+                family=plan.source_config["model_type"],
                 num_parameters=sum(torch.Size(shape).numel() for shape in plan.shapes.values()),
-                repo_id=repo_id, folder_name=output.out.resolve().name, convert_command=convert_command,
+                repo_id=repo_id, folder_name=output.out.resolve().name,
+                convert_command=convert_command and printable(convert_command),
                 example=example or task_example(plan.source_config), has_tokenizer=holds_tokenizer(source_folder),
                 vocab_size=plan.source_config.get("vocab_size"), source_description=metadata.get("description"))
     check_card_renders(card)
@@ -198,5 +209,5 @@ def export(plan, source_folder, output, *, dtype=None, attention_backend="auto",
     return difference, sample
 
 
-__all__ = ["ExportError", "export", "parse_size", "validate_side_files", "write_remote_code",
+__all__ = ["ExportError", "check_out_path", "export", "parse_size", "validate_side_files", "write_remote_code",
            "write_safetensors_streaming", "verify_parity"]

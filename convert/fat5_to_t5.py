@@ -32,7 +32,13 @@ def build_parser():
 
 def convert(args, progress):
     from convert.checkpoint import plan_back_conversion
-    from convert.export import copy_side_files, parse_size, validate_side_files, write_safetensors_streaming
+    from convert.export import (
+        check_out_path,
+        copy_side_files,
+        parse_size,
+        validate_side_files,
+        write_safetensors_streaming,
+    )
     from convert.parity import verify_back_parity
     from convert.safety import AtomicOutput
     from fat5.cli import write_failures_reported
@@ -42,6 +48,7 @@ def convert(args, progress):
         raise CommandError(f"FAT5_DIR {src} is not a directory")
     max_bytes = parse_size(args.max_shard_size)
     output = AtomicOutput(src, out, overwrite=args.overwrite)
+    check_out_path(out)
     progress.describe = output.describe
     plan = plan_back_conversion(src, args.model_type)
     validate_side_files(src)

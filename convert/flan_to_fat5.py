@@ -125,7 +125,7 @@ def convert(args, progress, argv=None):
 
     from convert.checkpoint import plan_conversion, read_config
     from convert.demo import DEMO_CHECKPOINT
-    from convert.export import export, parse_size
+    from convert.export import check_out_path, export, parse_size
     from convert.flasht5 import MODEL_TYPE as FLASHT5
     from convert.flasht5 import plan_flasht5_conversion
     from convert.hub import check_push_access, push_to_hub
@@ -139,6 +139,7 @@ def convert(args, progress, argv=None):
         check_push_access(args.push_to_hub, args.token)
     source_folder, hub_id = resolve_source(src, args.revision, args.token)
     output = AtomicOutput(source_folder, out, overwrite=args.overwrite or demo)
+    check_out_path(out)
     progress.describe = output.describe
     flasht5 = read_config(source_folder).get("model_type") == FLASHT5  # flashT5's own layout (CATIE-AQ's FAT5)
     plan = plan_flasht5_conversion(source_folder) if flasht5 else plan_conversion(source_folder)

@@ -58,6 +58,9 @@ class FlashT5Reference:
     def eval(self):
         return self
 
+    def parameters(self):
+        return iter(self.tensors.values())
+
     def prepare_decoder_input_ids_from_labels(self, labels):
         shifted = torch.full_like(labels, self.config.decoder_start_token_id)
         shifted[:, 1:] = labels[:, :-1]

@@ -48,7 +48,7 @@ def register_fat5_onnx_config():
 
 
 def export(args, progress):
-    exportable_fat5_config(args.folder, "onnx")
+    exportable_fat5_config(args.folder, "onnx", args.task)
     register_fat5_onnx_config()
     from optimum.exporters.onnx import main_export
 
@@ -64,8 +64,9 @@ def export(args, progress):
         # against PyTorch's outputs (do_validation) before returning.
         main_export(args.folder, staging, task=args.task, opset=args.opset, trust_remote_code=True)
         output.commit()
-    print(f"Wrote {output.out}: {output.describe()}; load it with "
-          "optimum.onnxruntime.ORTModelForSeq2SeqLM.from_pretrained(OUT, trust_remote_code=True)")
+    load = ("optimum.onnxruntime.ORTModelForSeq2SeqLM.from_pretrained(OUT, trust_remote_code=True)"
+            if args.task.startswith("text2text") else "onnxruntime.InferenceSession, one per .onnx file")
+    print(f"Wrote {output.out}: {output.describe()}; load it with {load}")
 
 
 def main(argv=None):

@@ -67,11 +67,12 @@ def refresh(args, progress):
     from convert.checkpoint import read_config
     from fat5.cli import write_failures_reported
     from fat5.files import check_model_folder
-    from fat5.remote_code_fat5 import StagedFolder, write_remote_code
+    from fat5.remote_code_fat5 import write_remote_code
+    from fat5.safe_files import StagedFolder
 
     folder = Path(args.folder)
-    if folder.is_symlink() or not folder.is_dir():
-        raise CommandError(f"FOLDER {folder} is not a directory")
+    if not folder.is_dir():  # (a symlinked folder is refreshed where it points: StagedFolder)
+        raise CommandError(f"FOLDER {folder} {'is not a directory' if folder.exists() else 'does not exist'}")
     config = read_config(folder)
     if config.get("model_type") != "fat5":
         raise CommandError(f"{folder} is not a FAT5 folder (config.json model_type {config.get('model_type')!r})")

@@ -34,6 +34,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .reference_fat5 import dense_bias, eager_attention, relative_positions, visibility_mask
 
@@ -132,25 +133,70 @@ def sdpa_attention(query, key, value, *, bias_table=None, bidirectional=True, nu
                    scale=1.0, dropout_p=0.0, query_segment_ids=None, key_segment_ids=None):
     """torch SDPA. Without a bias it keeps a boolean mask (or is_causal), so flash/efficient kernels apply."""
     query_length, key_length = query.shape[-2], key.shape[-2]
-    bias = dense_bias(query_length, key_length, bias_table=bias_table, bidirectional=bidirectional,
-                      num_buckets=num_buckets, max_distance=max_distance, alibi_slopes=alibi_slopes,
-                      position_bias=position_bias, q_offset=q_offset, device=query.device)
     # q_offset is a tensor when it comes from a static cache: no is_causal shortcut then.
-    use_is_causal = causal and bias is None and key_padding_mask is None and isinstance(q_offset, int) \
-        and q_offset == 0 and query_length == key_length and key_segment_ids is None
-    visible = None if use_is_causal else visibility_mask(
-        query_length, key_length, key_padding_mask=key_padding_mask, causal=causal, q_offset=q_offset,
-        query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids, device=query.device)
-    mask = None if bias is None else bias.to(query.dtype)
-    if visible is not None:
-        # An additive finfo.min mask (not a boolean one) keeps fully-masked rows finite on every SDPA backend.
-        kept = torch.zeros((), dtype=query.dtype, device=query.device) if mask is None else mask
-        mask = torch.where(visible, kept, torch.finfo(query.dtype).min)
+    use_is_causal = causal and bias_table is None and alibi_slopes is None and position_bias is None \
+        and key_padding_mask is None and isinstance(q_offset, int) and q_offset == 0 \
+        and query_length == key_length and key_segment_ids is None
+    options = dict(bias_table=bias_table, bidirectional=bidirectional, num_buckets=num_buckets,
+                   max_distance=max_distance, alibi_slopes=alibi_slopes, position_bias=position_bias,
+                   key_padding_mask=key_padding_mask, causal=causal, q_offset=q_offset,
+                   query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids)
+    mask, seen = (None, None) if use_is_causal else _shared_sdpa_mask(query, query_length, key_length, options)
     output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p,
                                             is_causal=use_is_causal, scale=scale)
-    if visible is not None:
-        output = output * visible.any(dim=-1, keepdim=True)
-    return output
+    return output if seen is None else output * seen
+
+
+# SDPA masks shared by the layers of one forward, as transformers' T5 layers share their position_bias: keyed by
+# the tensor that is new every forward (the stack's T5 table or ALiBi slopes; for the cross-attention, which has
+# neither, its key mask), and gone with it.
+_SDPA_MASKS = WeakTensorKeyDictionary()
+
+
+def _shared_sdpa_mask(query, query_length, key_length, options):
+    """`_sdpa_mask`, built once per (owner, arguments) where that is exact: outside autograd and compilation, never
+    keyed by a weight (which lives on), without a dense bias or segments. Tensors are matched by identity and
+    version (an in-place change misses), each but the owner kept alive by its entry so that its id is not reused
+    meanwhile (holding the owner would keep the entry forever)."""
+    owner = options["bias_table"] if options["bias_table"] is not None else options["alibi_slopes"]
+    if owner is None and not options["causal"]:
+        owner = options["key_padding_mask"]
+    if owner is None or isinstance(owner, torch.nn.Parameter) or options["position_bias"] is not None \
+            or options["query_segment_ids"] is not None or torch.compiler.is_compiling() \
+            or (torch.is_grad_enabled() and owner.requires_grad):
+        return _sdpa_mask(query, query_length, key_length, options)
+    tensors = [value for value in options.values() if torch.is_tensor(value) and value is not owner]
+    key = (query_length, key_length, query.dtype, query.device,
+           *((id(value), _version(value)) if torch.is_tensor(value) else value for value in options.values()))
+    entries = _SDPA_MASKS.get(owner)
+    if entries is None:
+        entries = _SDPA_MASKS[owner] = {}
+    if key not in entries:
+        entries[key] = (_sdpa_mask(query, query_length, key_length, options), tensors)
+    return entries[key][0]
+
+
+def _version(tensor):
+    """The in-place change counter; an inference tensor (made under torch.inference_mode) keeps none."""
+    return None if tensor.is_inference() else tensor._version
+
+
+def _sdpa_mask(query, query_length, key_length, options):
+    """(additive mask in the query's dtype or None, (B | 1, 1, Lq, 1) rows that see a key or None) for SDPA."""
+    bias = dense_bias(query_length, key_length, bias_table=options["bias_table"],
+                      bidirectional=options["bidirectional"], num_buckets=options["num_buckets"],
+                      max_distance=options["max_distance"], alibi_slopes=options["alibi_slopes"],
+                      position_bias=options["position_bias"], q_offset=options["q_offset"], device=query.device)
+    visible = visibility_mask(
+        query_length, key_length, key_padding_mask=options["key_padding_mask"], causal=options["causal"],
+        q_offset=options["q_offset"], query_segment_ids=options["query_segment_ids"],
+        key_segment_ids=options["key_segment_ids"], device=query.device)
+    mask = None if bias is None else bias.to(query.dtype)
+    if visible is None:
+        return mask, None
+    # An additive finfo.min mask (not a boolean one) keeps fully-masked rows finite on every SDPA backend.
+    kept = torch.zeros((), dtype=query.dtype, device=query.device) if mask is None else mask
+    return torch.where(visible, kept, torch.finfo(query.dtype).min), visible.any(dim=-1, keepdim=True)
 
 
 def _segment_ids(segments):
@@ -171,12 +217,16 @@ def sdpa_attention_forward(query, key, value, *, segments=None, output_attention
 def triton_attention_forward(query, key, value, *, segments=None, output_attentions=False, position_bias=None,
                              **kwargs):
     """The Triton kernel, attention dropout included; `select_attention_backend` never picks it with a dense bias.
-    The dropout seed is drawn from torch's generator for the device on each call (see `draw_dropout_seed`)."""
+    The dropout seed is drawn from torch's generator for the device on each call (see `draw_dropout_seed`).
+    A decode step (`is_decode_step`) runs the decode kernel instead."""
     # Imported lazily: the kernel needs triton, which CPU-only installs lack.
     from .kernels.flash_attention_t5 import flash_attention_t5, flash_attention_t5_varlen
 
+    if segments is None and is_decode_step(query, key, value, kwargs):
+        return decode_attention_forward(query, key, value, **kwargs), None
     if isinstance(kwargs["q_offset"], torch.Tensor):
-        kwargs["q_offset"] = int(kwargs["q_offset"])  # a static cache's counter; the kernel takes a scalar
+        # A static cache's counter in a prefill (more than DECODE_MAX_QUERIES rows): the kernel takes a scalar.
+        kwargs["q_offset"] = int(kwargs["q_offset"])
     if segments is None:
         return flash_attention_t5(query, key, value, **kwargs), None
     # Packed rows: drop padding, run each segment as one varlen sequence, put the rows back (padding rows = 0).
@@ -193,6 +243,24 @@ def triton_attention_forward(query, key, value, *, segments=None, output_attenti
         layout["cu_seqlens_q"], layout["cu_seqlens_k"], layout["max_seqlen_q"], layout["max_seqlen_k"], **kwargs)
     padded = output.new_zeros(batch * query_length, heads, head_dim).index_copy(0, layout["query_index"], output)
     return padded.view(batch, query_length, heads, head_dim).transpose(1, 2), None
+
+
+def is_decode_step(query, key, value, kwargs):
+    """Whether the decode kernel computes this Triton call: a few query rows (generation's self- and
+    cross-attention steps), no gradient to compute and no attention dropout."""
+    from .kernels.decode_attention_t5 import DECODE_MAX_QUERIES
+
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, kwargs.get("bias_table")))
+    return query.shape[-2] <= DECODE_MAX_QUERIES and not needs_grad and not kwargs.get("dropout_p")
+
+
+def decode_attention_forward(query, key, value, *, dropout_p=0.0, **kwargs):
+    """One decode step on the decode kernel (split over the cached keys); a static cache's offset stays a device
+    tensor, read by the kernel: no host synchronisation."""
+    from .kernels.decode_attention_t5 import decode_attention_t5
+
+    return decode_attention_t5(query, key, value, **kwargs)
 
 
 # Every function takes q, k, v and the keyword arguments of the contract above (plus `segments`, the packed

@@ -24,6 +24,7 @@ without torch. Nothing in a checkpoint folder needs this module: it is never exp
 
 import argparse
 import errno
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -78,13 +79,34 @@ EXTRAS = {
 }
 
 
+# An extra whose libraries cap a library FAT5 needs, so that pip replaces a newer release of it with an older one:
+# extra -> (library, the first release it excludes, what pip installs instead and why).
+EXTRA_CAPS = {"onnx": ("transformers", (4, 58), "transformers 4.57 and huggingface_hub 0.x (optimum-onnx requires "
+                                                "transformers < 4.58)")}
+
+
+def extra_changes(extra):
+    """What installing `extra` changes beyond adding its libraries, said before anything is installed ('' if
+    nothing): the extras of EXTRA_CAPS replace an installed release their libraries exclude."""
+    if extra not in EXTRA_CAPS:
+        return ""
+    library, cap, instead = EXTRA_CAPS[extra]
+    try:
+        installed = importlib.metadata.version(library)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+    if tuple(int(part) for part in re.findall(r"\d+", installed)[:2]) < cap:
+        return ""
+    return f", which replaces {library} {installed} with {instead}; in a virtual environment of its own"
+
+
 class MissingExtra(CommandError):
     """An optional library the command needs is not installed: one `error:` line with the pip command that installs
-    it, exit status 2."""
+    it (and what else that changes), exit status 2."""
 
     def __init__(self, module, extra):
-        super().__init__(f'{module} is not installed; this command needs FAT5\'s "{extra}" extra: '
-                         f'pip install "fat5[{extra}]"')
+        super().__init__(f'{module} is not installed; this command needs FAT5\'s "{extra}" extra'
+                         f'{extra_changes(extra)}: pip install "fat5[{extra}]"')
 
 
 def extra_providing(module, extra=None):

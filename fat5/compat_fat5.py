@@ -11,11 +11,12 @@ Exported with the model code (it imports only transformers and the standard libr
 import dataclasses
 import inspect
 import re
+import warnings
 
 import transformers
 from transformers import PreTrainedModel, T5ForConditionalGeneration
 from transformers.modeling_outputs import Seq2SeqLMOutput
-from transformers.utils import logging
+from transformers.utils import is_torchdynamo_compiling, logging
 
 logger = logging.get_logger(__name__)
 
@@ -29,6 +30,8 @@ TESTED_TRANSFORMERS = ("4.57.6", "5.23.0", "5.24.0")
 # deprecated there). FAT5 returns the cache under the installed transformers' name and accepts either name as input
 # on every release (`either_cache`).
 CACHE_NAME = "cache" if "cache" in {field.name for field in dataclasses.fields(Seq2SeqLMOutput)} else "past_key_values"
+# Where T5's forward takes `cache`, it warns when given `past_key_values` (transformers 5.24 says 5.40 removes it).
+T5_DEPRECATES_PAST_KEY_VALUES = "cache" in inspect.signature(T5ForConditionalGeneration.forward).parameters
 
 # transformers 5 initialises through `transformers.initialization`, which skips tensors loaded from a checkpoint;
 # 4.x initialises only modules whose weights are missing, with torch's functions.
@@ -78,14 +81,28 @@ def check_keywords(model, kwargs):
         raise TypeError(f"{type(model).__name__}.forward() got an unexpected keyword argument '{next(iter(kwargs))}'")
 
 
-def either_cache(cache, past_key_values):
-    """The cache a forward was given, under either name: FAT5's forwards take both `cache` (in the position T5's
-    forward has its cache argument) and `past_key_values` (a keyword), on every transformers release. Passing both
-    is an error, as in transformers. (Plain parameters rather than a renaming decorator: export tools such as
-    optimum take a forward with `__wrapped__` for transformers' own decorator and call what it wraps.)"""
-    if past_key_values is not None and cache is not None:
-        raise ValueError("the cache was passed twice, as `cache` and as `past_key_values`: pass one")
+def either_cache(cache, past_key_values, model):
+    """The cache a forward of `model` was given, under either name: FAT5's forwards take both `cache` (in the
+    position T5's forward has its cache argument) and `past_key_values` (a keyword), on every transformers release.
+    `past_key_values` gives T5's FutureWarning where T5's forward gives it. Given both names, the cache named
+    `cache` is used, as T5's forward uses it, unless it holds nothing and the other does: transformers 5.24's
+    generate passes the empty cache it made as `cache` beside the one a caller filled under the old name (PEFT's
+    prefix tuning passes its virtual tokens so), which T5 drops. (Plain parameters rather than a renaming
+    decorator: export tools such as optimum take a forward with `__wrapped__` for transformers' own decorator and
+    call what it wraps.)"""
+    if past_key_values is not None:
+        if T5_DEPRECATES_PAST_KEY_VALUES and not is_torchdynamo_compiling():
+            warnings.warn(f"`past_key_values` is deprecated for `{type(model).__name__}.forward`, as for T5's "
+                          f"(transformers 5.24 renamed it `cache` and removes the old name in 5.40.0): pass the cache "
+                          f"as `cache`", FutureWarning, stacklevel=3)
+        if cache is not None and not _holds_tokens(cache) and _holds_tokens(past_key_values):
+            cache = None
     return past_key_values if cache is None else cache
+
+
+def _holds_tokens(cache):
+    seq_length = getattr(cache, "get_seq_length", None)
+    return seq_length is None or int(seq_length()) > 0
 
 
 def cache_field(cache):

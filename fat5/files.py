@@ -12,6 +12,7 @@ safetensors and torch when they run.
 """
 
 import json
+import os
 import re
 from contextlib import contextmanager
 from pathlib import Path
@@ -84,6 +85,19 @@ def read_json_object(path, what=""):
     return value
 
 
+def printable(text):
+    """A path (or other text from the OS) as UTF-8 text: bytes that are not UTF-8, which Python holds as
+    surrogates, written as \\xNN."""
+    return os.fsencode(str(text)).decode("utf-8", "backslashreplace")
+
+
+def safetensors_path(path):
+    """`path` as safetensors opens it: a str, which safetensors requires to be UTF-8 (one line otherwise)."""
+    if printable(path) != str(path):
+        raise CommandError(f"cannot read {printable(path)}: safetensors opens only paths that are UTF-8; rename it")
+    return str(path)
+
+
 def check_model_folder(folder, also=()):
     """Read every JSON file of a local model folder that its loaders parse (MODEL_FOLDER_JSON, and `also`), the
     header of every safetensors file, the structure of every pytorch_model*.bin and the tokenizer's sentencepiece
@@ -127,12 +141,23 @@ def check_trainer_json_files(flags):
             read_json_object(value, f"the --{name} file ")
 
 
-def exportable_fat5_config(folder, exporter):
+# The classes (config.json `architectures`: what a folder's weights are) each exporter takes, and the tasks it
+# exports them for (None: its only one). optimum's T5 ONNX config exports a seq2seq LM for every T5 task and the bare
+# encoder-decoder for feature extraction; CTranslate2's T5 loader converts a seq2seq LM. It has neither the
+# classification or question-answering heads (their folders hold an encoder and a head) nor an encoder alone.
+EXPORTABLE = {
+    "onnx": {"FAT5ForConditionalGeneration": None,
+             "FAT5Model": ("feature-extraction", "feature-extraction-with-past")},
+    "ctranslate2": {"FAT5ForConditionalGeneration": None},
+}
+
+
+def exportable_fat5_config(folder, exporter, task=None):
     """The FAT5Config of the model folder `folder`, which `exporter` ("onnx", "ctranslate2") takes through T5's
-    description of it (fat5/integrations_fat5.py); one line for a folder that is not a FAT5 model, or one whose
-    computation the exporter's T5 does not do."""
+    description of it (fat5/integrations_fat5.py) for `task`; one line for a folder that is not a FAT5 model, one
+    whose class (its head) or computation the exporter's T5 does not have, or one with non-finite weights."""
     from fat5 import FAT5Config
-    from fat5.integrations_fat5 import t5_computation_problem
+    from fat5.integrations_fat5 import EXPORTERS, t5_computation_problem
 
     folder = Path(folder)
     if not (folder / "config.json").exists():
@@ -149,7 +174,36 @@ def exportable_fat5_config(folder, exporter):
     problem = t5_computation_problem(config, exporter)
     if problem is not None:
         raise CommandError(problem)
+    taken, target = EXPORTABLE[exporter], EXPORTERS[exporter][1]
+    architecture = (config.architectures or ["model of no class"])[0]
+    tasks = taken.get(architecture, ())
+    if tasks == () or (task is not None and tasks is not None and task not in tasks):
+        accepted = " or ".join(f"a {name}" + (f" with --task {' or '.join(only)}" if only else "")
+                               for name, only in taken.items())
+        raise CommandError(f"{folder} holds a {architecture} (config.json architectures): the {target} export takes "
+                           f"{accepted}")
+    check_finite_weights(folder, f"the {target} export")
     return config
+
+
+def check_finite_weights(folder, what):
+    """Read the folder's weights one tensor at a time: one holding NaN or infinite values is one line naming it
+    (`what` would otherwise make a model that computes NaN, and its checks would blame themselves)."""
+    import torch
+    from safetensors import safe_open
+
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(safetensors_path(path), framework="pt") as weights:
+            for name in weights.keys():
+                tensor = weights.get_tensor(name)
+                if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                    raise CommandError(f"tensor {name} of {path} holds NaN or infinite values: {what} refuses a "
+                                       "model with non-finite weights")
+    for path in sorted(Path(folder).glob("pytorch_model*.bin")):
+        for name, tensor in torch.load(path, map_location="cpu", weights_only=True, mmap=True).items():
+            if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+                raise CommandError(f"tensor {name} of {path} holds NaN or infinite values: {what} refuses a "
+                                   "model with non-finite weights")
 
 
 # The files AutoTokenizer needs in a folder to know which tokenizer it holds (a sentencepiece model alone names no
@@ -194,8 +248,9 @@ def check_safetensors(path):
 
     if Path(path).is_dir():
         raise CommandError(f"cannot read {path}: it is a folder, not a file")
+    path = safetensors_path(path)
     try:
-        with safe_open(str(path), framework="numpy"):
+        with safe_open(path, framework="numpy"):
             pass
     except SafetensorError as error:
         raise CommandError(f"cannot read {path}: corrupt or truncated weights ({error_line(error)})") from None

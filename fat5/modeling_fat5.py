@@ -59,6 +59,7 @@ from .remote_code_fat5 import mark_as_package, save_as_package
 if TYPE_CHECKING:
     # Never run: only the seam imports the attention kernel. Loading a checkpoint *folder*, transformers 4.x copies
     # only the files this entry module imports relatively (not what those import), so it must read the kernel here.
+    from .kernels.decode_attention_t5 import decode_attention_t5  # noqa: F401
     from .kernels.flash_attention_t5 import flash_attention_t5  # noqa: F401
 
 register_fat5_with_peft(FAT5Config.model_type)
@@ -519,15 +520,27 @@ class FAT5PreTrainedModel(PicklesWithItsCode, PreTrainedModel):
                       if name in kwargs}
         mark_as_package(self.config, encoder_only=isinstance(self, FAT5EncoderMixin))
         parent_save = super().save_pretrained
+        try:  # where FAT5 is installed, its file safety (not shipped: see remote_code_fat5.py)
+            from fat5.safe_files import StagedFolder
+        except ImportError:
+            from .remote_code_fat5 import StagedFolder
         with _no_transformers_code_copy(type(self)):
-            save_as_package(lambda staging: parent_save(staging, *args, **kwargs), save_directory)
+            save_as_package(lambda staging: parent_save(staging, *args, **kwargs), save_directory, StagedFolder)
         if push_to_hub:
             repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.normpath(save_directory)))
             return self.push_to_hub(repo_id, **hub_kwargs)
 
     def tie_weights(self, *args, **kwargs):
         """transformers' tying (the LM head when config.tie_word_embeddings), then the stacks' embeddings, which
-        are `shared` whatever the config says (transformers 4.57 ties by Parameter identity after a load)."""
+        are `shared` whatever the config says (transformers 4.57 ties by Parameter identity after a load).
+
+        A tied head loaded from a checkpoint without `shared.weight` gives the embedding its weight, as transformers
+        5 ties to the side that was loaded (4.57 would tie the loaded head to the embedding left on the meta
+        device, T5's as well)."""
+        shared, head = getattr(self, "shared", None), self.get_output_embeddings()
+        if (getattr(self.config, "tie_word_embeddings", False) and isinstance(shared, nn.Embedding)
+                and head is not None and shared.weight.is_meta and not head.weight.is_meta):
+            shared.weight = head.weight
         super().tie_weights(*args, **kwargs)
         _tie_stack_embeddings(self)
 
@@ -540,6 +553,17 @@ class FAT5PreTrainedModel(PicklesWithItsCode, PreTrainedModel):
             tied.update({name: "shared.weight" for name in _stack_embedding_names(self)
                          if name in (self._tied_weights_keys or {})})
         return tied
+
+    def mark_tied_weights_as_initialized(self, loading_info):
+        """transformers 5, loading a checkpoint, flags every tied name's Parameter as loaded (it will be tied to its
+        source) and, for a class outside transformers, stops reporting as missing any Parameter so flagged. Here a
+        tied name holds its source's own Parameter (the stacks' embeddings always, a tied head once tied), so the
+        flag reached the source too: a checkpoint without `shared.weight` loaded with nothing reported missing and
+        the embedding left on the meta device. A source the checkpoint lacks stays missing, as for T5, so it is
+        created, initialised and reported (and tied to a tied name the checkpoint holds, if any)."""
+        missing = set(loading_info.missing_keys)
+        super().mark_tied_weights_as_initialized(loading_info)
+        loading_info.missing_keys |= missing & set(self.all_tied_weights_keys.values())
 
     def _output(self, output, return_dict):
         """return_dict=False (or config.return_dict=False) gives the tuple of the fields that are set, as
@@ -661,7 +685,7 @@ class FAT5Stack(FAT5PreTrainedModel):
         or `past_key_values` (`compat_fat5.either_cache`). `cache_position`, which transformers 4.x's generate
         passes, is not needed: positions are counted from the cache."""
         check_keywords(self, kwargs)
-        cache = either_cache(cache, past_key_values)
+        cache = either_cache(cache, past_key_values, self)
         config = self.config
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
@@ -796,7 +820,10 @@ class SharedEmbeddingAlias(nn.Embedding):
         self.point_to(shared)
 
     def point_to(self, shared):
-        self.weight = shared.weight
+        # Into the module's parameters directly, not through `register_parameter`: a context that builds models
+        # empty (accelerate's `init_empty_weights`) replaces every registered Parameter with a copy of its own,
+        # which would untie the alias from `shared`.
+        self._parameters["weight"] = shared.weight
         # A plain attribute, not a submodule: the embedding appears once in the module tree under `shared`.
         object.__setattr__(self, "shared", shared)
 
@@ -882,7 +909,7 @@ class FAT5Model(FAT5EncoderDecoderMixin, FAT5PreTrainedModel):
         check_keywords(self, kwargs)
         encoder_outputs, decoder_outputs = self._encode_and_decode(
             input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
-            either_cache(cache, past_key_values), inputs_embeds, decoder_inputs_embeds, use_cache,
+            either_cache(cache, past_key_values, self), inputs_embeds, decoder_inputs_embeds, use_cache,
             output_hidden_states, output_attentions=output_attentions,
             segment_ids=segment_ids, decoder_segment_ids=decoder_segment_ids)
         return self._output(Seq2SeqModelOutput(
@@ -932,7 +959,7 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
             decoder_input_ids = self._shift_right(labels, decoder_segment_ids)
         encoder_outputs, decoder_outputs = self._encode_and_decode(
             input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
-            either_cache(cache, past_key_values), inputs_embeds, decoder_inputs_embeds, use_cache,
+            either_cache(cache, past_key_values, self), inputs_embeds, decoder_inputs_embeds, use_cache,
             output_hidden_states, output_attentions=output_attentions, segment_ids=segment_ids,
             decoder_segment_ids=decoder_segment_ids)
         sequence_output = decoder_outputs.last_hidden_state

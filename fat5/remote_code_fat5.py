@@ -4,28 +4,19 @@ pipeline entry. One definition, used by every `save_pretrained` route and by the
 This module is itself part of the remote code: a model loaded from a checkpoint folder saves a complete package
 from the copy of the code transformers loaded it from.
 
-Saves are atomic (`StagedFolder`, standard library only, so the converter can use it too): a save is written into
-a staging folder beside its target (`.NAME.partial-PID-XXXX`), then put at the target's path in one step: a rename
-when the target is absent, an exchange of the two directories (Linux `renameat2(RENAME_EXCHANGE)`) when it exists,
-or, where the kernel or filesystem lacks the exchange, two renames with Ctrl-C and SIGTERM held between them.
-Entries of the old folder that the new save does not replace are carried into the staging folder as hard links
-before the step (no data is copied). A staging folder is locked (`flock`) by the process writing it, so a later
-save removes the staging folders of killed saves (unlocked ones) and never one still being written. (This lives
-here rather than in its own module because transformers 4.57 copies into its module cache only the modules that
-the model file imports itself.)
+A save is written into a staging folder beside its target (`.NAME.partial-PID-XXXX`), then renamed to the target's
+path (`StagedFolder`): standard library only and nothing platform-specific, so a folder loads and saves wherever
+Python runs. Where FAT5 is installed, `save_pretrained` takes `fat5/safe_files.py`'s instead, which adds what the
+platform offers (one atomic exchange over an existing folder, locks, removal of killed saves' staging folders) and
+is not shipped.
+(This lives here rather than in its own module because transformers 4.57 copies into its module cache only the
+modules that the model file imports itself.)
 """
 
-import ctypes
-import ctypes.util
-import errno
-import fcntl
 import os
 import re
 import shutil
-import signal
 import tempfile
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 CODE_DIR = Path(__file__).resolve().parent
@@ -116,217 +107,108 @@ def mark_as_package(config, encoder_only=False):
 # -- atomic saves ----------------------------------------------------------------------------------------------------
 
 STAGING_MARK = ".partial-"
-RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2  # linux/fs.h
-AT_FDCWD = -100
-
-
-def current_umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def apply_umask(folder):
     """Give `folder` and everything in it the permissions new files and folders get under the umask (0666 and
     0777 less the umask): `tempfile.mkdtemp` makes folders 0700, and safetensors writes weights 0600."""
-    mask = current_umask()
-    folder = Path(folder)
-    folder.chmod(0o777 & ~mask)
-    for root, folders, files in os.walk(folder):
-        for name in folders:
-            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+    mask = os.umask(0)
+    os.umask(mask)
+    for root, _, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
         for name in files:
-            path = os.path.join(root, name)
-            if not os.path.islink(path):
-                os.chmod(path, 0o666 & ~mask)
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), 0o666 & ~mask)
 
 
-def _staging_prefix(target):
-    return f".{Path(target).name}{STAGING_MARK}"
-
-
-def _lock(path):
-    """An exclusive lock on a folder, held while the returned descriptor is open; None if another holds it."""
-    descriptor = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _link_or_copy(source, destination):
     try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(descriptor)
-        return None
-    return descriptor
+        os.link(source, destination)
+    except OSError:  # a filesystem without hard links
+        shutil.copy2(source, destination)
 
 
-def remove_stale_staging(target):
-    """Remove the staging folders of `target` left by killed saves (those no process holds locked)."""
-    target = Path(target)
-    if not target.parent.is_dir():
-        return
-    for path in target.parent.glob(f"{_staging_prefix(target)}*"):
-        if not path.is_dir() or path.is_symlink():
-            continue
-        descriptor = _lock(path)
-        if descriptor is not None:
-            try:
-                shutil.rmtree(path, ignore_errors=True)
-            finally:
-                os.close(descriptor)
-
-
-def renameat2(first, second, flag):
-    """Linux renameat2(first, second, flag); False where the system lacks it or the flag (kernel, filesystem)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    if not hasattr(libc, "renameat2"):
-        return False
-    result = libc.renameat2(AT_FDCWD, os.fsencode(first), AT_FDCWD, os.fsencode(second), flag)
-    if result == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
-        return False
-    raise OSError(code, os.strerror(code), str(second))
-
-
-def exchange(first, second):
-    """Atomically swap two paths (RENAME_EXCHANGE). False where the system cannot."""
-    return renameat2(first, second, RENAME_EXCHANGE)
-
-
-@contextmanager
-def signals_deferred():
-    """Hold Ctrl-C (SIGINT) and SIGTERM during steps that must complete together; a signal that arrives meanwhile
-    is re-raised right after. (Python runs signal handlers in the main thread only; elsewhere nothing is held.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received = []
-    previous = {number: signal.signal(number, lambda number, frame: received.append(number))
-                for number in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-        for number in received[:1]:
-            signal.raise_signal(number)
-
-
-def _link_tree(source, destination):
-    """Recreate `source` at `destination` with every file hard-linked (no data copied), keeping modes and times;
-    files are copied only where the filesystem refuses hard links."""
-    if source.is_symlink():
+def link_tree(source, destination):
+    """Recreate `source` at `destination` with every file hard-linked (copied where the filesystem has no hard
+    links), keeping symbolic links, modes and times."""
+    if os.path.islink(source):
         os.symlink(os.readlink(source), destination)
-        return
-    if not source.is_dir():
-        try:
-            os.link(source, destination, follow_symlinks=False)
-        except OSError as error:
-            if error.errno not in (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EMLINK):
-                raise
-            shutil.copy2(source, destination)
-        return
-    os.mkdir(destination)
-    for entry in source.iterdir():
-        _link_tree(entry, destination / entry.name)
-    shutil.copystat(source, destination)  # after the entries, so the folder keeps its own times
+    elif os.path.isdir(source):
+        shutil.copytree(source, destination, symlinks=True, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(source, destination)
 
 
-def _fsync_folder(folder):
-    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+def rename_aside(source, target):
+    """Put the folder `source` at the existing path `target` with two renames, the old folder moved aside first
+    (to `source`-old, whose path this returns); if the second fails (or Ctrl-C comes between), it is put back."""
+    old = Path(f"{source}-old")
     try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def put_in_place(source, target):
-    """Move the folder `source` to `target` in one atomic step, replacing what `target` holds. Returns the path
-    that then holds the old folder (`source` after an exchange, a `-old` name after two renames), or None when
-    `target` did not exist."""
-    source, target = Path(source), Path(target)
-    _fsync_folder(source)
-    with signals_deferred():
-        if not os.path.lexists(target):
-            os.rename(source, target)
-            old = None
-        else:
-            old = swap_in(source, target)
-    _fsync_folder(target.parent)
-    return old
-
-
-def swap_in(source, target):
-    """Put the folder `source` at the existing path `target` (call with signals held): one exchange, or two renames
-    where the system has none (a crash between them leaves the old folder at a `-old` path beside). Returns the
-    path that then holds the old folder."""
-    source, target = Path(source), Path(target)
-    if exchange(source, target):
-        return source
-    old = source.with_name(source.name + "-old")
-    os.rename(target, old)
-    try:
+        os.rename(target, old)
         os.rename(source, target)
-    except OSError:
-        os.rename(old, target)
+    except BaseException:
+        if os.path.lexists(old) and not os.path.lexists(target):
+            os.rename(old, target)
         raise
     return old
 
 
 class StagedFolder:
-    """A staging folder beside `target` that `commit()` puts at `target` in one step.
+    """A staging folder beside `target` that `commit()` puts at `target`.
 
     ``with StagedFolder(target) as staging: write into staging.path; staging.commit(keep=...)``: leaving the
     block without a commit (an error, Ctrl-C) removes the staging folder and leaves `target` as it was.
     `keep(name)` says which entries of an existing target the new folder keeps (among those it does not write
-    itself); None keeps nothing, so the new folder replaces the old one whole. `check(path)`, when given, is called
-    on the complete staged folder just before it goes in place: raising there leaves `target` as it was.
-    Permissions follow the umask."""
+    itself), as hard links; None keeps nothing, so the new folder replaces the old one whole. `check(path)`, when
+    given, is called on the complete staged folder just before it goes in place: raising there leaves `target` as
+    it was. Permissions follow the umask. Here the new folder goes in place by a rename, over an existing target by
+    two (`rename_aside`); fat5/safe_files.py's subclass makes that one atomic step where the platform can."""
 
     def __init__(self, target):
         # A symlinked target is saved where it points: the link stays, the folder behind it is replaced.
         self.target = Path(target).resolve() if os.path.islink(target) else Path(target)
         self.path = None
-        self._lock = None
 
     def __enter__(self):
         self.target.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_staging(self.target)
-        self.path = Path(tempfile.mkdtemp(prefix=f"{_staging_prefix(self.target)}{os.getpid()}-",
+        self.path = Path(tempfile.mkdtemp(prefix=f".{self.target.name}{STAGING_MARK}{os.getpid()}-",
                                           dir=self.target.parent))
-        self._lock = _lock(self.path)
         return self
 
     def commit(self, keep=None, check=None):
         apply_umask(self.path)
-        if self.target.is_dir() and not self.target.is_symlink() and keep is not None:
+        if self.target.is_dir() and keep is not None:
             written = {entry.name for entry in self.path.iterdir()}
             for entry in self.target.iterdir():
                 if entry.name not in written and keep(entry.name):
-                    _link_tree(entry, self.path / entry.name)
+                    link_tree(entry, self.path / entry.name)
             shutil.copystat(self.target, self.path)
         if check is not None:
             check(self.path)
         # Then self.path holds the old folder (or nothing), which __exit__ removes.
-        self.path = put_in_place(self.path, self.target)
+        self.path = self.put_in_place(self.path, self.target)
+
+    def put_in_place(self, source, target):
+        """Move the complete folder `source` to `target`; return where the old folder now lies (None if none)."""
+        if not os.path.lexists(target):
+            os.rename(source, target)
+            return None
+        return rename_aside(source, target)
 
     def __exit__(self, *exc):
-        try:
-            if self.path is not None and self.path.exists():
-                shutil.rmtree(self.path, ignore_errors=True)
-        finally:
-            if self._lock is not None:
-                os.close(self._lock)
-                self._lock = None
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
         return False
 
 
-def save_as_package(save, save_directory):
+def save_as_package(save, save_directory, staged_folder=StagedFolder):
     """Call `save(staging_folder)` (transformers' save_pretrained), add FAT5's code, then put the result at
-    `save_directory` in one atomic step (`StagedFolder`): at every instant the folder holds the
-    complete old save or the complete new one, never new weights beside an old config. Files of the old folder
-    that the new save does not write are kept, except weights (an earlier save's shards or unsharded file, which
-    would otherwise load instead of the new weights). Staging folders of killed saves are removed. On any error
-    `save_directory` is left as it was. Files and folders get the umask's permissions."""
-    with StagedFolder(save_directory) as staging:
+    `save_directory` (`staged_folder`: StagedFolder, or fat5/safe_files.py's where FAT5 is installed): the folder
+    holds the complete old save or the complete new one, never new weights beside an old config. Files of the old
+    folder that the new save does not write are kept, except weights (an earlier save's shards or unsharded file,
+    which would otherwise load instead of the new weights). On any error `save_directory` is left as it was. Files
+    and folders get the umask's permissions."""
+    with staged_folder(save_directory) as staging:
         save(staging.path)
         write_remote_code(staging.path)
         staging.commit(keep=lambda name: not WEIGHT_FILE.fullmatch(name))

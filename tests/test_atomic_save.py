@@ -1,4 +1,4 @@
-"""Saving a FAT5 over an existing folder replaces it in one step (fat5/remote_code_fat5.py): at every instant the
+"""Saving a FAT5 over an existing folder replaces it in one step (fat5/safe_files.py): at every instant the
 folder holds the complete old save or the complete new one, an interrupted save leaves it as it was and its
 staging folder is removed by the next save, no stale weight file survives, and permissions follow the umask."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fat5 import FAT5Config, FAT5ForConditionalGeneration, remote_code_fat5
-from fat5.remote_code_fat5 import StagedFolder, remove_stale_staging
+from fat5 import FAT5Config, FAT5ForConditionalGeneration, safe_files
+from fat5.safe_files import StagedFolder, remove_stale_staging
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_heads=4, num_layers=1)
@@ -40,7 +40,7 @@ def same_weights(folder, model):
 @pytest.mark.parametrize("exchange_available", [True, False], ids=["renameat2-exchange", "two-renames"])
 def test_resaving_replaces_the_folder_in_one_step(tmp_path, monkeypatch, exchange_available):
     if not exchange_available:
-        monkeypatch.setattr(remote_code_fat5, "exchange", lambda first, second: False)
+        monkeypatch.setattr(safe_files, "exchange", lambda first, second: False)
     target = tmp_path / "model"
     old, new = tiny_model(0), tiny_model(1)
     old.save_pretrained(target)
@@ -62,12 +62,12 @@ def test_resaving_replaces_the_folder_in_one_step(tmp_path, monkeypatch, exchang
 
 KILLED_BEFORE_THE_SWAP = """
 import os, signal, sys, torch
-from fat5 import FAT5Config, FAT5ForConditionalGeneration, remote_code_fat5
+from fat5 import FAT5Config, FAT5ForConditionalGeneration, safe_files
 
-def killed(source, target):  # the moment after the new save is complete, before it is put in place
+def killed(source, target, replace):  # the moment after the new save is complete, before it is put in place
     os.kill(os.getpid(), signal.SIGKILL)
 
-remote_code_fat5.put_in_place = killed
+safe_files.put_in_place = killed
 torch.manual_seed(1)
 FAT5ForConditionalGeneration(FAT5Config(**eval(sys.argv[2]))).save_pretrained(sys.argv[1])
 """
@@ -134,3 +134,16 @@ def test_a_symlinked_folder_is_saved_where_it_points(tmp_path):
     new.save_pretrained(tmp_path / "link")
     assert (tmp_path / "link").is_symlink() and same_weights(real, new)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["link", "real"]
+
+
+def test_a_replacement_killed_between_its_two_renames_is_undone_by_the_next_save(tmp_path):
+    """Without an atomic exchange, the old folder is moved aside before the new one takes its place: a save killed
+    between the two renames leaves it at `...-old`, which the next save puts back (and keeps its files)."""
+    target = tmp_path / "model"
+    tiny_model(0).save_pretrained(target)
+    (target / "notes.txt").write_text("mine")
+    target.rename(tmp_path / ".model.partial-1234-abcd-old")
+    new = tiny_model(1)
+    new.save_pretrained(target)
+    assert (target / "notes.txt").read_text() == "mine" and same_weights(target, new)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["model"]

@@ -85,6 +85,22 @@ def test_generate_smoke_compares_fat5_with_transformers_t5(tmp_path):
 
 
 @pytest.mark.slow
+def test_generate_smoke_times_the_ctranslate2_export_beside_fat5(tmp_path):
+    """CTranslate2 rows (cache "own"): FAT5's model exported by convert/ct2_fat5.py generates FAT5's tokens, and
+    the `best` rows end with FAT5's ratio to it."""
+    pytest.importorskip("ctranslate2")
+    stdout, rows = run_smoke("generate.py", tmp_path, "--impl", "fat5,ct2_fp32,ct2_int8", "--caches", "dynamic")
+    ct2 = {(r["implementation"], r["batch"]): r for r in rows if r["cache"] == "own"}
+    assert set(ct2) == {(name, batch) for name in ("ct2_fp32", "ct2_int8") for batch in (1, 2)}
+    for (name, _), row in ct2.items():
+        assert row["tokens_per_s"] > 0, row
+        if name == "ct2_fp32":  # the same fp32 weights, greedy
+            assert row["status"] == "ok" and row["same_tokens_as_fat5"] is True, row
+    best = table_rows(stdout, "16 | 1 | best") + table_rows(stdout, "16 | 2 | best")
+    assert len(best) == 2 and all(line.strip(" |").split(" | ")[-1].endswith("x") for line in best)
+
+
+@pytest.mark.slow
 def test_loss_memory_smoke_run(tmp_path):
     """benchmarks/loss_memory.py at tiny sizes: both steps counted, chunked loss and gradients equal to the full."""
     script = BENCHMARKS / "loss_memory.py"

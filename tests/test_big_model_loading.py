@@ -1,6 +1,7 @@
 """What T5 users do with models larger than their memory, done to a FAT5 folder: accelerate's `cpu_offload` and
-`disk_offload`, `from_pretrained(..., device_map="auto", max_memory=..., offload_folder=...)`, `low_cpu_mem_usage`
-and meta-device init with `load_checkpoint_and_dispatch`. Each generates the tokens transformers' own T5 generates
+`disk_offload`, `from_pretrained(..., device_map="auto", max_memory=..., offload_folder=...)`, `low_cpu_mem_usage`,
+meta-device init, and a model built by `init_empty_weights` then filled by `load_checkpoint_and_dispatch`. Each
+generates the tokens transformers' own T5 generates
 from the checkpoint the FAT5 folder was converted from (and T5 passes the same checks: it is the spec). Folders
 written before the stacks' embeddings appeared in `state_dict()` load with identical weights."""
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoModelForSeq2SeqLM
+from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
 from convert.flan_to_fat5 import main as convert_main
 from fat5 import FAT5ForConditionalGeneration
@@ -88,6 +89,26 @@ def meta_init(folder, tmp_path):
     return model.eval()
 
 
+def built_empty(folder):
+    """The model of `folder` built by accelerate's `init_empty_weights`: every weight on the meta device."""
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    with accelerate.init_empty_weights():
+        model = AutoModelForSeq2SeqLM.from_config(config, trust_remote_code=True)
+    assert all(parameter.is_meta for parameter in model.parameters())
+    return model
+
+
+def dispatch(model, folder, tmp_path):
+    """accelerate's `load_checkpoint_and_dispatch` with `device_map="auto"` and memory for half the weights: the
+    rest is offloaded to disk."""
+    budget = (folder / "model.safetensors").stat().st_size // 2
+    model = accelerate.load_checkpoint_and_dispatch(model, str(folder), device_map="auto", max_memory={"cpu": budget},
+                                                    offload_folder=str(tmp_path / "offload"),
+                                                    no_split_module_classes=model._no_split_modules)
+    assert "disk" in model.hf_device_map.values() and "cpu" in model.hf_device_map.values(), model.hf_device_map
+    return model.eval()
+
+
 ROUTES = [cpu_offload, disk_offload, device_map_auto, low_cpu_mem_usage, meta_init]
 
 
@@ -103,6 +124,42 @@ def test_big_model_routes_generate_t5s_tokens(folders, family, route, tmp_path):
     assert torch.equal(greedy(route(source, tmp_path / "t5"), vocab_size), expected)  # T5 itself: the spec
     (tmp_path / "fat5").mkdir()
     assert torch.equal(greedy(route(folder, tmp_path / "fat5"), vocab_size), expected)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_init_empty_weights_then_load_checkpoint_and_dispatch(folders, family, tmp_path):
+    """accelerate's big-model recipe as its documentation and its warning give it: the model built empty,
+    `tie_weights()` (ties made while a model is built empty do not survive it, so a tied head needs this), then
+    loaded and dispatched. T5's tokens; T5 itself answers the same, except FLAN-T5 on transformers 5, whose T5
+    config always says tied: `tie_weights()` then ties the head FLAN-T5 keeps apart."""
+    source, folder = folders[family]
+    vocab_size = json.loads((source / "config.json").read_text())["vocab_size"]
+    expected = greedy(load(source), vocab_size)
+    for name, path in (("fat5", folder), ("t5", source)):
+        if name == "t5" and TRANSFORMERS_5 and family == "flan-t5":
+            continue
+        model = built_empty(path)
+        model.tie_weights()
+        (tmp_path / name).mkdir()
+        assert torch.equal(greedy(dispatch(model, path, tmp_path / name), vocab_size), expected), name
+
+
+def test_an_untied_head_needs_no_tie_weights_before_load_checkpoint_and_dispatch(folders, tmp_path):
+    """Without `tie_weights()`, the stacks' embeddings still hold `shared`'s one Parameter after
+    `init_empty_weights` (which gives every Parameter registered inside it a copy of its own), so the checkpoint's
+    `shared.weight` reaches them: FLAN-T5's tokens on every release. transformers 4's T5 (whose stacks hold the
+    `shared` module itself) does the same; transformers 5's leaves its stacks' embeddings on the meta device."""
+    source, folder = folders["flan-t5"]
+    vocab_size = json.loads((source / "config.json").read_text())["vocab_size"]
+    expected = greedy(load(source), vocab_size)
+    model = built_empty(folder)
+    assert model.encoder.embed_tokens.weight is model.shared.weight
+    assert model.decoder.embed_tokens.weight is model.shared.weight
+    (tmp_path / "fat5").mkdir()
+    assert torch.equal(greedy(dispatch(model, folder, tmp_path / "fat5"), vocab_size), expected)
+    if not TRANSFORMERS_5:
+        (tmp_path / "t5").mkdir()
+        assert torch.equal(greedy(dispatch(built_empty(source), source, tmp_path / "t5"), vocab_size), expected)
 
 
 def old_layout_folder(model, folder, safe):

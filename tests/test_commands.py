@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fat5.cli import EXIT_BAD_INPUT, EXIT_OUTPUT_CLOSED, run
+from fat5.cli import EXIT_BAD_INPUT, EXIT_OUTPUT_CLOSED, MissingExtra, extra_changes, run
 from fat5.commands import COMMANDS
 from fat5.commands import NEEDS as EXTRA_NEEDED
 
@@ -161,8 +161,8 @@ console_main()
 def test_a_conversion_without_its_extra_says_so_before_anything_loads(command, module, extra, tmp_path):
     status, _, err, heavy = fat5_in_process([command, tmp_path / "model", tmp_path / "out"], hidden=[module])
     assert status == EXIT_BAD_INPUT and not heavy, (err[-2000:], heavy)
-    assert err.splitlines() == [f'error: {module} is not installed; this command needs FAT5\'s "{extra}" extra: '
-                                f'pip install "fat5[{extra}]"'], err
+    assert err.splitlines() == [f'error: {module} is not installed; this command needs FAT5\'s "{extra}" '
+                                f'extra{extra_changes(extra)}: pip install "fat5[{extra}]"'], err
 
 
 @pytest.mark.parametrize("module", ["fat5.cli", "fat5.recipes.command", "fat5.training.flags", "transformers",
@@ -259,7 +259,23 @@ def test_a_library_missing_deep_in_a_command_names_its_extra(capsys, module, ext
     assert run(command, [], extra=command_extra) == EXIT_BAD_INPUT
     library = module.partition(".")[0]
     assert capsys.readouterr().err.splitlines() == [
-        f'error: {library} is not installed; this command needs FAT5\'s "{extra}" extra: pip install "fat5[{extra}]"']
+        f'error: {library} is not installed; this command needs FAT5\'s "{extra}" extra{extra_changes(extra)}: '
+        f'pip install "fat5[{extra}]"']
+
+
+@pytest.mark.parametrize("installed, changes", [("5.24.0", True), ("4.57.6", False)])
+def test_the_onnx_extra_says_it_replaces_transformers_5_before_anything_is_installed(monkeypatch, installed,
+                                                                                      changes):
+    """optimum-onnx requires transformers < 4.58: `pip install "fat5[onnx]"` under transformers 5 would replace it
+    (and huggingface_hub) with older releases, so the missing-extra line says so; under 4.57 nothing is replaced."""
+    versions = {"transformers": installed}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: versions[name])
+    line = str(MissingExtra("optimum", "onnx"))
+    assert line.endswith(': pip install "fat5[onnx]"') and "\n" not in line
+    assert (f"replaces transformers {installed} with transformers 4.57 and huggingface_hub 0.x" in line) == changes
+    assert ("virtual environment of its own" in line) == changes
+    assert str(MissingExtra("peft", "recipes")) == ('peft is not installed; this command needs FAT5\'s "recipes" '
+                                                    'extra: pip install "fat5[recipes]"')
 
 
 def test_a_missing_module_of_fat5_itself_keeps_its_traceback():

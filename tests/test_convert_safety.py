@@ -19,7 +19,7 @@ import convert.export
 import convert.safety
 from convert.checkpoint import iter_converted_tensors, plan_conversion
 from convert.flan_to_fat5 import main
-from fat5 import remote_code_fat5
+from fat5 import safe_files
 from t5_checkpoints import make_t5_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,6 +69,53 @@ def test_out_overlapping_src_is_refused(tmp_path, where, overwrite, capsys):
     assert snapshot(tmp_path / "parent") == before
 
 
+def test_a_symlinked_out_is_written_where_it_points(flan, tmp_path, capsys):
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    assert run_main(capsys, [str(flan), str(tmp_path / "link"), "--no-verify"]) == 0
+    assert (tmp_path / "link").is_symlink() and (real / "config.json").is_file()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["link", "real"]
+
+
+@pytest.mark.parametrize("points_to, says", [("file", "which is a file"), ("missing", "which is nothing")])
+def test_a_symlinked_out_that_is_no_folder_is_one_true_line(flan, tmp_path, capsys, points_to, says):
+    if points_to == "file":
+        (tmp_path / "file").write_text("mine")
+    (tmp_path / "link").symlink_to(tmp_path / points_to)
+    assert run_main(capsys, [str(flan), str(tmp_path / "link"), "--no-verify"]) == 2
+    assert one_error_line(capsys) == (f"error: OUT {tmp_path / 'link'} is a symbolic link to {tmp_path / points_to}, "
+                                      f"{says}: give a folder")
+
+
+@pytest.mark.parametrize("direction", ["to FAT5", "back to T5"])
+def test_an_out_path_that_is_not_utf8_is_one_true_line(flan, tmp_path, capsys, direction):
+    """It was reported as a failure of the model card's template; safetensors could not load the folder anyway."""
+    from convert.fat5_to_t5 import main as back
+
+    out = tmp_path / os.fsdecode(b"out\xff")
+    if direction == "to FAT5":
+        assert run_main(capsys, [str(flan), str(out), "--no-verify"]) == 2
+    else:
+        assert run_main(capsys, [str(flan), str(tmp_path / "fat5"), "--no-verify"]) == 0
+        capsys.readouterr()
+        assert back([str(tmp_path / "fat5"), str(out), "--no-verify"]) == 2
+    assert one_error_line(capsys) == (f"error: OUT {tmp_path}/out\\xff is not a UTF-8 path, and safetensors, which "
+                                      "loads the weights written there, opens only UTF-8 paths: choose a UTF-8 name")
+    assert not os.path.lexists(out) and staging_leftovers(tmp_path) == []
+
+
+def test_a_source_path_that_is_not_utf8_is_one_true_line(flan, tmp_path, capsys):
+    """safetensors' refusal of the path was reported as corrupt or truncated weights."""
+    import shutil
+
+    src = tmp_path / os.fsdecode(b"src\xfe")
+    shutil.copytree(flan, src)
+    assert run_main(capsys, [str(src), str(tmp_path / "out"), "--no-verify"]) == 2
+    assert one_error_line(capsys) == (f"error: cannot read {tmp_path}/src\\xfe/model.safetensors: safetensors opens "
+                                      "only paths that are UTF-8; rename it")
+
+
 def existing_out(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -88,13 +135,13 @@ def test_interrupt_before_the_swap_keeps_the_old_folder(flan, tmp_path, capsys):
 @pytest.mark.parametrize("exchange", ["renameat2", "two renames"])
 def test_signal_during_the_swap_is_held_until_the_new_folder_is_in_place(flan, tmp_path, capsys, exchange):
     out = existing_out(tmp_path)
-    real_exchange = remote_code_fat5.exchange
+    real_exchange = safe_files.exchange
 
     def interrupted_exchange(first, second):
         os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C exactly between the steps of the swap
         return real_exchange(first, second) if exchange == "renameat2" else False
 
-    with mock.patch.object(remote_code_fat5, "exchange", interrupted_exchange):
+    with mock.patch.object(safe_files, "exchange", interrupted_exchange):
         assert run_main(capsys, [str(flan), str(out), "--overwrite", "--no-verify"]) == 130
     assert one_error_line(capsys) == (
         f"interrupted: {out} holds the complete new conversion (the old folder was replaced)")
@@ -112,17 +159,26 @@ def test_interrupt_after_writing_says_out_was_written(flan, tmp_path, capsys):
     assert (out / "model.safetensors").is_file()
 
 
+# Holds an flock on the folder argv[1], as a converter does on its staging folder, until its stdin closes.
+HOLD_LOCK = ("import fcntl, os, sys; descriptor = os.open(sys.argv[1], os.O_RDONLY); "
+             "fcntl.flock(descriptor, fcntl.LOCK_EX); print('locked', flush=True); sys.stdin.read()")
+
+
 def test_stale_staging_of_a_killed_run_is_removed_and_only_that(flan, tmp_path, capsys):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
     mark = convert.safety.STAGING_MARK
-    stale = tmp_path / f".out{mark}{dead.pid}-abc"
-    alive = tmp_path / f".out{mark}{os.getppid()}-abc"  # a running process's staging
-    other = tmp_path / f".other{mark}{dead.pid}-abc"  # another OUT's
+    stale = tmp_path / f".out{mark}123-abc"  # a killed run's: no process holds it locked
+    alive = tmp_path / f".out{mark}456-abc"  # a running process's staging, which it holds locked
+    other = tmp_path / f".other{mark}123-abc"  # another OUT's
     for folder in (stale, alive, other):
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"partial")
-    assert run_main(capsys, [str(flan), str(tmp_path / "out"), "--no-verify"]) == 0
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(alive)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert run_main(capsys, [str(flan), str(tmp_path / "out"), "--no-verify"]) == 0
+    finally:
+        holder.communicate("")
     assert not stale.exists() and alive.exists() and other.exists()
 
 
@@ -150,6 +206,21 @@ def test_non_finite_tensors_are_named_unless_allowed(tmp_path, capsys):
     assert "decoder.block.1.layer.2.DenseReluDense.wo.weight has NaN or infinite values" in line
     assert not (tmp_path / "out").exists() and staging_leftovers(tmp_path) == []
     assert run_main(capsys, [str(src), str(tmp_path / "out"), "--no-verify", "--allow-non-finite"]) == 0
+
+
+@pytest.mark.parametrize("tensor, says", [
+    ("shared.weight", ""),  # row 0, the decoder start token's: every generated logit is NaN, the proof's batch has none
+    ("lm_head.weight", "; 18 of 1818 logits NaN or infinite in both"),
+    ("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+     "; 1818 of 1818 logits NaN or infinite in both"),
+])
+def test_non_finite_tensors_converted_on_request_pass_the_proof_where_both_models_agree(tmp_path, capsys, tensor,
+                                                                                        says):
+    """The source computes NaN logits too: they are compared as NaN (the proof blamed them on the cache)."""
+    src = make_t5_checkpoint("flan-t5", tmp_path / "nan")
+    rewrite(src, lambda t: t[tensor].view(-1).__setitem__(5, torch.nan))
+    assert run_main(capsys, [str(src), str(tmp_path / "out"), "--allow-non-finite"]) == 0
+    assert f"(2 random padded sequences, float32{says})" in capsys.readouterr().out
 
 
 def test_overflow_of_the_dtype_cast_is_caught(tmp_path, capsys):
@@ -260,14 +331,14 @@ def test_out_that_appears_before_the_swap_is_left_as_it_is(flan, tmp_path, capsy
     out = tmp_path / "out"
     if started_with == "an empty folder":
         out.mkdir()
-    real_put_in_place = convert.safety.put_in_place
+    real_put_in_place = safe_files.put_in_place
 
     def race(staging, target, replace):
         someone_else_writes(out, appears)  # at the last moment before the final swap
         return real_put_in_place(staging, target, replace)
 
-    with mock.patch.object(convert.safety, "put_in_place", race), \
-            mock.patch.object(convert.safety, "renameat2", convert.safety.renameat2 if renameat2 else
+    with mock.patch.object(safe_files, "put_in_place", race), \
+            mock.patch.object(safe_files, "renameat2", safe_files.renameat2 if renameat2 else
                               (lambda first, second, flag: False)):
         assert run_main(capsys, [str(flan), str(out), "--no-verify"]) == 2
     assert "appeared or was filled while converting: left as it is" in one_error_line(capsys)
@@ -280,13 +351,13 @@ def test_out_that_appears_before_the_swap_is_left_as_it_is(flan, tmp_path, capsy
 
 def test_out_that_appears_before_the_swap_is_replaced_with_overwrite(flan, tmp_path, capsys):
     out = tmp_path / "out"
-    real_put_in_place = convert.safety.put_in_place
+    real_put_in_place = safe_files.put_in_place
 
     def race(staging, target, replace):
         someone_else_writes(out, "a folder with a file")
         return real_put_in_place(staging, target, replace)
 
-    with mock.patch.object(convert.safety, "put_in_place", race):
+    with mock.patch.object(safe_files, "put_in_place", race):
         assert run_main(capsys, [str(flan), str(out), "--no-verify", "--overwrite"]) == 0
     assert not (out / "theirs.txt").exists() and (out / "config.json").is_file()
     assert staging_leftovers(tmp_path) == []
@@ -297,14 +368,14 @@ def test_the_way_back_also_leaves_an_out_that_appeared(flan, tmp_path, capsys):
 
     assert run_main(capsys, [str(flan), str(tmp_path / "fat5"), "--no-verify"]) == 0
     out = tmp_path / "t5"
-    real_put_in_place = convert.safety.put_in_place
+    real_put_in_place = safe_files.put_in_place
 
     def race(staging, target, replace):
         someone_else_writes(out, "a folder with a file")
         return real_put_in_place(staging, target, replace)
 
     capsys.readouterr()
-    with mock.patch.object(convert.safety, "put_in_place", race):
+    with mock.patch.object(safe_files, "put_in_place", race):
         assert back([str(tmp_path / "fat5"), str(out), "--no-verify"]) == 2
     assert "appeared or was filled while converting" in one_error_line(capsys)
     assert snapshot(out) == {Path("theirs.txt"): b"theirs"}

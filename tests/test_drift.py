@@ -9,10 +9,13 @@ under the installed transformers' name; the demo folder answers its prompts in a
 this repository, and nothing FAT5 runs logs a warning there.
 """
 
+import functools
 import importlib.metadata
 import inspect
 import json
 import re
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,9 +143,19 @@ def test_assisted_and_prompt_lookup_generation_give_the_greedy_tokens(confident,
     assert torch.equal(model.generate(**single, **options, prompt_lookup_num_tokens=3), expected)
 
 
+def deprecation_warnings(call):
+    """(what `call` returns, whether it warned that `past_key_values` is deprecated)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = call()
+    return result, any(issubclass(warning.category, FutureWarning)
+                       and "`past_key_values` is deprecated" in str(warning.message) for warning in caught)
+
+
 def test_the_cache_goes_in_and_out_under_the_installed_name(converted):
     """transformers 5.24 renamed `past_key_values` to `cache`: FAT5's outputs use the installed name, and its
-    forwards take the cache by either name on every release (`cache` in the position of T5's cache argument)."""
+    forwards take the cache by either name on every release (`cache` in the position of T5's cache argument),
+    the old name with T5's FutureWarning where T5's forward gives one."""
     reference, model = converted["flan-t5"]
     for forward in (model.forward, model.get_decoder().forward):
         parameters = list(inspect.signature(forward).parameters)
@@ -151,16 +164,23 @@ def test_the_cache_goes_in_and_out_under_the_installed_name(converted):
     inputs = encoder_inputs(reference.config.vocab_size)
     decoder_input_ids = torch.tensor([[0, 5, 7, 9]] * 3)
     with torch.no_grad():
+        t5_cache = compat_fat5.output_cache(reference(**inputs, decoder_input_ids=decoder_input_ids[:, :2]))
+        _, t5_warns = deprecation_warnings(lambda: reference(**inputs, decoder_input_ids=decoder_input_ids[:, 2:],
+                                                             past_key_values=t5_cache))
         whole = model(**inputs, decoder_input_ids=decoder_input_ids).logits
         first = model(**inputs, decoder_input_ids=decoder_input_ids[:, :2], use_cache=True)
         assert CACHE_NAME in first.keys()
         for name in ("cache", "past_key_values"):
             cache = compat_fat5.output_cache(model(**inputs, decoder_input_ids=decoder_input_ids[:, :2]))
-            step = model(**inputs, decoder_input_ids=decoder_input_ids[:, 2:], **{name: cache})
+            step, warned = deprecation_warnings(
+                functools.partial(model, **inputs, decoder_input_ids=decoder_input_ids[:, 2:], **{name: cache}))
             assert torch.allclose(step.logits, whole[:, 2:], rtol=0, atol=LOGITS_RTOL * whole.abs().max()), name
-        cache = compat_fat5.output_cache(first)
-        with pytest.raises(ValueError, match="passed twice"):
-            model(**inputs, decoder_input_ids=decoder_input_ids[:, 2:], cache=cache, past_key_values=cache)
+            assert warned == (name == "past_key_values" and t5_warns), name
+        # Both names: the one named `cache`, as T5's forward takes it (tests/test_transformers_model_checks.py).
+        stale = compat_fat5.output_cache(model(**inputs, decoder_input_ids=decoder_input_ids[:, :1]))
+        step, _ = deprecation_warnings(lambda: model(**inputs, decoder_input_ids=decoder_input_ids[:, 2:],
+                                                     cache=compat_fat5.output_cache(first), past_key_values=stale))
+        assert torch.allclose(step.logits, whole[:, 2:], rtol=0, atol=LOGITS_RTOL * whole.abs().max())
 
 
 # A Hub user's process: the demo folder loaded with trust_remote_code, generating in every mode and through the
@@ -271,6 +291,18 @@ def test_pyproject_admits_exactly_the_tested_releases():
         assert not compat_fat5.is_tested(version), version
     # pip takes a pre-release only when asked (--pre); FAT5 calls it untested.
     assert not compat_fat5.is_tested(f"{newest[0]}.{newest[1]}.0rc1")
+
+
+def test_pyproject_admits_torch_from_the_readmes_release_up_to_a_checked_one():
+    """pip installs FAT5 beside the torch every test runs on (the README's) up to the newest `.ci/drift-torch`
+    checks, never an older one nor one up to the next major."""
+    repo = Path(__file__).resolve().parent.parent
+    pinned = re.search(r"pip install torch==(\d+\.\d+\.\d+) &&", (repo / "README.md").read_text()).group(1)
+    major, minor, _, _ = compat_fat5.release(pinned)
+    torch = Requirement(re.search(r'^ *"(torch\b[^"]*)"', (repo / "pyproject.toml").read_text(), re.M).group(1))
+    assert torch.specifier.contains(pinned) and not torch.specifier.contains(f"{major}.{minor - 1}.0")
+    assert any(bound.operator == "<" for bound in torch.specifier)
+    assert not torch.specifier.contains(f"{major + 1}.0.0")
 
 
 def test_an_untested_transformers_is_named_once_in_one_line(caplog):

@@ -172,6 +172,51 @@ def test_ct2_refuses_what_ctranslate2s_t5_cannot_compute_in_one_line(tmp_path, c
     assert capsys.readouterr().err == f"error: {DEMO_CHECKPOINT} is a 't5' model, not a FAT5 one\n"
 
 
+@pytest.mark.parametrize("head", ["FAT5ForSequenceClassification", "FAT5ForTokenClassification",
+                                  "FAT5ForQuestionAnswering", "FAT5EncoderModel", "FAT5Model"])
+def test_ct2_refuses_a_folder_whose_head_ctranslate2_has_not_in_one_line(demo_fat5, tmp_path, capsys, head):
+    """CTranslate2's T5 is a seq2seq model: a classifier's folder gave 61 lines of traceback, or a check that blamed
+    CTranslate2 for the decoder and LM head the folder does not have."""
+    pytest.importorskip("ctranslate2")
+    import fat5
+    from convert.ct2_fat5 import main as ct2_main
+
+    folder = tmp_path / "model"
+    getattr(fat5, head).from_pretrained(demo_fat5).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(demo_fat5).save_pretrained(folder)
+    capsys.readouterr()
+    assert ct2_main([str(folder), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (f"error: {folder} holds a {head} (config.json architectures): the CTranslate2 "
+                                       "export takes a FAT5ForConditionalGeneration\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_ct2_refuses_non_finite_weights_and_a_folder_without_tokenizer_in_one_line(demo_fat5, tmp_path, capsys):
+    """A NaN weight made PyTorch and CTranslate2 decode differently, which the check blamed on ctranslate2."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    pytest.importorskip("ctranslate2")
+    from convert.ct2_fat5 import main as ct2_main
+
+    shutil.copytree(demo_fat5, tmp_path / "nan")
+    weights = load_file(tmp_path / "nan" / "model.safetensors")
+    weights["decoder.final_layer_norm.weight"][2] = torch.nan
+    save_file(weights, tmp_path / "nan" / "model.safetensors", metadata={"format": "pt"})
+    shutil.copytree(demo_fat5, tmp_path / "untokenized", ignore=shutil.ignore_patterns("tokenizer*", "spiece*",
+                                                                                        "special_tokens*"))
+    capsys.readouterr()
+    assert ct2_main([str(tmp_path / "nan"), str(tmp_path / "out")]) == 2
+    assert ct2_main([str(tmp_path / "untokenized"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: tensor decoder.final_layer_norm.weight of {tmp_path / 'nan' / 'model.safetensors'} holds NaN or "
+        "infinite values: the CTranslate2 export refuses a model with non-finite weights",
+        f"error: FOLDER {tmp_path / 'untokenized'} holds no tokenizer (tokenizer_config.json or tokenizer.json): "
+        "CTranslate2 takes its vocabulary from the tokenizer"]
+    assert not (tmp_path / "out").exists()
+
+
 # -- pickle ----------------------------------------------------------------------------------------------------------
 
 PICKLE_A_HUB_MODEL = """

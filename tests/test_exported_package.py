@@ -69,3 +69,57 @@ def test_model_card_carries_metadata_and_parity(exported):
     assert f"tested with transformers {', '.join(TESTED_TRANSFORMERS)}" in card
     assert json.loads((exported / "config.json").read_text())["tested_transformers"] == list(TESTED_TRANSFORMERS)
     assert {"spiece.model", "tokenizer_config.json"} <= {path.name for path in exported.iterdir()}
+
+
+# A platform without POSIX's extras, as Windows is: `fcntl` and its kin unimportable, no signal masks, no os.sync or
+# O_DIRECTORY, no SIGKILL. Set once torch and the transformers modules a FAT5 model uses are imported (they choose
+# their own code per platform when imported), before the folder's code loads; the repository is hidden, so saves
+# take the shipped code alone.
+WITHOUT_POSIX = """
+for name in ("fcntl", "termios", "resource", "pwd", "grp"):
+    sys.modules[name] = None
+for module, names in ((os, ("sync", "O_DIRECTORY", "fork", "getuid")),
+                      (signal, ("pthread_sigmask", "pthread_kill", "sigwait", "SIGKILL", "SIGHUP", "SIGALRM"))):
+    for name in names:
+        delattr(module, name)
+"""
+PORTABLE_CHILD = """
+import json, os, signal, sys
+from pathlib import Path
+import torch
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, PreTrainedModel, T5ForConditionalGeneration
+""" + WITHOUT_POSIX + """
+folder, out, prompts, out_path = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+tokenizer = AutoTokenizer.from_pretrained(folder)
+model = AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True).eval()
+batch = tokenizer(prompts, padding=True, return_tensors="pt")
+with torch.no_grad():
+    answers = tokenizer.batch_decode(model.generate(**batch, max_new_tokens=32, do_sample=False),
+                                     skip_special_tokens=True)
+model.train()
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model(**batch, labels=tokenizer(answers, padding=True, return_tensors="pt").input_ids).loss.backward()
+optimizer.step()
+model.save_pretrained(out)
+(out / "notes.txt").write_text("mine")
+model.save_pretrained(out, max_shard_size="200KB")  # over the first save, sharded
+reloaded = AutoModelForSeq2SeqLM.from_pretrained(out, trust_remote_code=True)
+same = all(torch.equal(reloaded.state_dict()[name], tensor) for name, tensor in model.state_dict().items())
+json.dump({"module": type(model).__module__, "answers": answers, "same": same,
+           "saved": sorted(path.name for path in out.iterdir()),
+           "beside": sorted(path.name for path in out.parent.iterdir())}, open(out_path, "w"))
+"""
+
+
+def test_a_folder_loads_generates_fine_tunes_and_saves_without_posix(exported, tmp_path):
+    """The shipped code imports nothing platform-specific: a folder works where `fcntl` and POSIX signals do not
+    exist, and saves by its own staging folder and renames (docs/reliability.md)."""
+    prompts = [prompt for prompt, _ in DEMO_PROMPTS]
+    result = run_isolated(PORTABLE_CHILD, [exported, tmp_path / "saves" / "tuned", json.dumps(prompts)],
+                          cwd=tmp_path)
+    assert result["module"].startswith("transformers_modules")
+    assert result["answers"] == [answer for _, answer in DEMO_PROMPTS]
+    assert result["same"]
+    assert "notes.txt" in result["saved"] and "model.safetensors.index.json" in result["saved"]
+    assert "model.safetensors" not in result["saved"]  # the first save's weights, which would load instead
+    assert result["beside"] == ["tuned"]  # no staging folder left

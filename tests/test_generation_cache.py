@@ -2,6 +2,8 @@
 batches, every position encoding, encoder and decoder of different depths) and compiles; cross-attention keys
 and values are computed once per generation."""
 
+import gc
+
 import pytest
 import torch
 
@@ -170,3 +172,138 @@ def test_a_static_cross_attention_cache_longer_than_the_encoder_input_gives_t5s_
                                     StaticCache(model.config, max_cache_len=encoder_length - 1))
     with pytest.raises(ValueError, match="fewer than the 9 encoder tokens"):
         generate(model, **{CACHE_NAME: too_short})
+
+
+def kernel_model(kernel_device, **overrides):
+    """A confident model whose heads the Triton kernels take (d_kv 32)."""
+    return confident_model(1, 1, d_kv=32, num_heads=2, **overrides).to(kernel_device)
+
+
+def decode_kernel_calls(monkeypatch):
+    """A list that grows by one for every call of the decode kernel's op."""
+    from fat5.kernels import decode_attention_t5
+
+    calls, original = [], decode_attention_t5._decode_attention
+    monkeypatch.setattr(decode_attention_t5, "_decode_attention",
+                        lambda *args: (calls.append(args[0].shape), original(*args))[1])
+    return calls
+
+
+@pytest.mark.parametrize("position, search, cache", [
+    ("t5", dict(), dict()), ("t5", dict(), dict(cache_implementation="static")), ("t5", dict(), dict(use_cache=False)),
+    ("t5", dict(num_beams=3), dict()), ("t5", dict(num_beams=3), dict(cache_implementation="static")),
+    ("alibi", dict(), dict(cache_implementation="static")), ("none", dict(num_beams=3), dict()),
+    # Offloaded caches need CUDA (transformers moves each layer to and from the GPU).
+    pytest.param("t5", dict(), dict(cache_implementation="offloaded"), marks=pytest.mark.gpu),
+    pytest.param("t5", dict(), dict(cache_implementation="offloaded_static"), marks=pytest.mark.gpu),
+], ids=["t5-dynamic", "t5-static", "t5-no-cache", "t5-beam-dynamic", "t5-beam-static", "alibi-static",
+        "none-beam-dynamic", "t5-offloaded", "t5-offloaded-static"])
+def test_the_decode_kernel_generates_the_eager_tokens(kernel_device, monkeypatch, position, search, cache):
+    """generate() on the Triton backend runs every decode step (self- and cross-attention) on the decode kernel and
+    gives the tokens of the eager reference, with every cache kind and beam search."""
+    model = kernel_model(kernel_device, position_encoding_type=position)
+    inputs = dict(**padded_inputs(kernel_device), max_new_tokens=4, min_new_tokens=4, **search, **cache)
+    model.config.attention_backend = "eager"
+    expected = model.generate(**inputs)
+    calls = decode_kernel_calls(monkeypatch)
+    model.config.attention_backend = "triton"
+    assert torch.equal(model.generate(**inputs), expected)
+    assert len(calls) >= 2 * 4, len(calls)  # self- and cross-attention of every step
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_a_static_cache_decode_step_compiles_into_two_graphs_for_any_number_of_tokens(kernel_device, backend):
+    """transformers compiles the decode step (one token, static cache) with fullgraph=True: it traces into two
+    graphs (the first step computes the cross-attention keys, the later ones reuse them) however many tokens are
+    generated, and gives the eager tokens. On the Triton backend the decode kernel reads the cache's position as a
+    tensor: no graph reads a tensor back to the host (what a CUDA graph could not capture)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = kernel_model(kernel_device)
+    model.config.attention_backend = backend
+    original = model.forward
+    for new_tokens in (4, 8):
+        inputs = dict(**padded_inputs(kernel_device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                      cache_implementation="static")
+        eager_tokens = model.generate(**inputs)
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("eager")
+        compiled = torch.compile(original, backend=counter, fullgraph=True, dynamic=False)
+
+        def forward(*args, _compiled=compiled, **kwargs):
+            if kwargs["decoder_input_ids"].shape[1] == 1 and kwargs.get("encoder_outputs") is not None:
+                return _compiled(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        model.forward = forward
+        try:
+            assert torch.equal(model.generate(**inputs), eager_tokens), new_tokens
+        finally:
+            model.forward = original
+        assert counter.frame_count == 2, (new_tokens, counter.frame_count)
+        graphs = [node for graph in counter.graphs for node in graph.graph.nodes]
+        assert not [node for node in graphs if node.target in ("item", "tolist", torch.ops.aten._local_scalar_dense)]
+        if backend == "triton":
+            assert any(node.target == torch.ops.fat5.decode_attention.default for node in graphs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_static_cache_decode_step_is_captured_in_a_cuda_graph(kernel_device):
+    """generate() with a static cache and the forward compiled in "reduce-overhead" mode replays every decode step
+    from a CUDA graph (nothing in the step reads the device back: Inductor skips no graph) and gives the eager
+    tokens."""
+    from torch._dynamo.utils import counters
+
+    model = kernel_model(kernel_device)
+    model.config.attention_backend = "triton"
+    inputs = dict(**padded_inputs(kernel_device), max_new_tokens=8, min_new_tokens=8, cache_implementation="static")
+    eager_tokens = model.generate(**inputs)
+    torch._dynamo.reset()
+    counters.clear()
+    original = model.forward
+    model.forward = torch.compile(original, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    try:
+        assert torch.equal(model.generate(**inputs, disable_compile=True), eager_tokens)
+    finally:
+        model.forward = original
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+def test_the_layers_of_one_forward_share_their_sdpa_masks(monkeypatch):
+    """Without a gradient the SDPA path builds each dense mask once per forward (the T5 bias with the padding, the
+    cross-attention's key mask) and every layer reuses it, as transformers' T5 layers share their position_bias;
+    with a gradient each layer builds its own T5 bias (the table's gradient flows through every layer's)."""
+    from fat5 import attention_fat5
+
+    model = confident_model(3, 3)
+    model.config.attention_backend = "sdpa"
+    builds, original = [], attention_fat5._sdpa_mask
+    monkeypatch.setattr(attention_fat5, "_sdpa_mask", lambda *args: (builds.append(1), original(*args))[1])
+    inputs = dict(**padded_inputs(), decoder_input_ids=torch.randint(2, VOCAB, (3, 4)),
+                  decoder_attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]]))
+    with torch.no_grad():
+        shared = model(**inputs).logits
+    assert len(builds) == 3  # encoder self-attention, decoder self-attention, cross-attention
+    builds.clear()
+    model(**inputs)
+    assert len(builds) == 3 + 3 + 1  # the cross-attention's mask carries no gradient: still shared
+    gc.collect()
+    assert len(attention_fat5._SDPA_MASKS) == 0  # the shared masks went with their forward
+    monkeypatch.setattr(attention_fat5, "_shared_sdpa_mask", lambda query, *args: original(query, *args))
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, shared)  # what every layer building its own masks gives
+
+
+def test_a_shared_sdpa_mask_follows_its_key_mask_changed_in_place():
+    from fat5.attention_fat5 import sdpa_attention
+    from fat5.reference_fat5 import eager_attention
+
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(2, 2, length, 8, generator=generator) for length in (1, 6, 6))
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    with torch.no_grad():
+        for _ in range(2):
+            mask[1, 2:] = not mask[1, 2]  # the same tensor, padded then not
+            expected = eager_attention(query, key, value, key_padding_mask=mask)
+            assert torch.allclose(sdpa_attention(query, key, value, key_padding_mask=mask), expected, atol=1e-6)

@@ -62,6 +62,51 @@ def test_a_position_type_without_onnx_config_is_refused_in_one_line(tmp_path, ca
     assert not (tmp_path / "out").exists()
 
 
+ONNX_TAKES = ("the ONNX export takes a FAT5ForConditionalGeneration or a FAT5Model with --task feature-extraction or "
+              "feature-extraction-with-past")
+
+
+@pytest.mark.parametrize("head, task", [("FAT5ForSequenceClassification", None), ("FAT5ForTokenClassification", None),
+                                        ("FAT5ForQuestionAnswering", None), ("FAT5EncoderModel", None),
+                                        ("FAT5Model", None), ("FAT5ForSequenceClassification", "feature-extraction")])
+def test_a_folder_whose_head_optimum_does_not_export_is_refused_in_one_line(tmp_path, capsys, tiny_config, head,
+                                                                             task):
+    """optimum exported a classifier's folder as a seq2seq model with a random decoder and LM head, exit 0."""
+    import fat5
+
+    folder = tmp_path / "model"
+    getattr(fat5, head)(tiny_config()).save_pretrained(folder)
+    assert onnx_fat5([str(folder), str(tmp_path / "out"), *(["--task", task] if task else [])]) == 2
+    assert capsys.readouterr().err == f"error: {folder} holds a {head} (config.json architectures): {ONNX_TAKES}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_fat5_model_folder_exports_for_feature_extraction(tmp_path, tiny_config):
+    import onnxruntime
+
+    from fat5 import FAT5Model
+
+    FAT5Model(tiny_config()).save_pretrained(tmp_path / "model")
+    assert onnx_fat5([str(tmp_path / "model"), str(tmp_path / "out"), "--task", "feature-extraction"]) == 0
+    session = onnxruntime.InferenceSession(str(tmp_path / "out" / "model.onnx"))
+    assert [output.name for output in session.get_outputs()] == ["last_hidden_state"]
+
+
+def test_a_folder_with_non_finite_weights_is_refused_in_one_line(tmp_path, capsys, tiny_config):
+    """optimum exported it and its check reported `max diff = nan`, exit 0."""
+    from fat5 import FAT5ForConditionalGeneration
+
+    model = FAT5ForConditionalGeneration(tiny_config())
+    with torch.no_grad():
+        model.lm_head.weight[3, 1] = torch.nan
+    model.save_pretrained(tmp_path / "model")
+    assert onnx_fat5([str(tmp_path / "model"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (f"error: tensor lm_head.weight of {tmp_path / 'model' / 'model.safetensors'} "
+                                       "holds NaN or infinite values: the ONNX export refuses a model with "
+                                       "non-finite weights\n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_folder_that_is_not_fat5_is_refused_in_one_line(tmp_path, capsys):
     assert onnx_fat5([str(DEMO_CHECKPOINT), str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err == f"error: {DEMO_CHECKPOINT} is a 't5' model, not a FAT5 one\n"

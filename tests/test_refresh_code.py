@@ -80,10 +80,21 @@ def test_a_folder_that_fails_its_check_is_left_as_it_was(old_folder):
     assert {path.name: path.read_bytes() for path in old_folder.iterdir()} == before
 
 
-@pytest.mark.parametrize("case, message", [("missing", "is not a directory"), ("t5", "is not a FAT5 folder"),
-                                           ("no-config", "has no config.json")])
+@pytest.mark.parametrize("case, message", [("missing", "does not exist"), ("file", "is not a directory"),
+                                           ("t5", "is not a FAT5 folder"), ("no-config", "has no config.json")])
 def test_what_is_not_a_fat5_folder_is_one_line(tmp_path, capsys, case, message):
-    folder = {"missing": tmp_path / "missing", "t5": DEMO_CHECKPOINT, "no-config": tmp_path}[case]
+    (tmp_path / "file").write_text("mine")
+    folder = {"missing": tmp_path / "missing", "file": tmp_path / "file", "t5": DEMO_CHECKPOINT,
+              "no-config": tmp_path}[case]
     assert main([str(folder)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and message in err[0], err
+
+
+def test_a_symlinked_folder_is_refreshed_where_it_points(old_folder, tmp_path):
+    (tmp_path / "link").symlink_to(old_folder, target_is_directory=True)
+    assert main([str(tmp_path / "link"), "--no-verify"]) == 0
+    assert (tmp_path / "link").is_symlink() and (old_folder / "notes.txt").read_text() == "mine"
+    assert (old_folder / "compat_fat5.py").read_text() == flatten_imports(remote_code_files()["compat_fat5.py"]
+                                                                          .read_text())
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["link", "old"]

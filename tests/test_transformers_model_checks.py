@@ -2,12 +2,17 @@
 on every FAT5 class in our own words. Where T5 answers the same question, T5 built from the same config is the spec;
 docs/using.md ("How FAT5 differs from transformers' T5") says where FAT5 differs on purpose."""
 
+import copy
+import functools
 import inspect
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from transformers import T5Config, T5ForConditionalGeneration, T5ForTokenClassification, Trainer, TrainingArguments
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
 import fat5
 from fat5 import FAT5Config, FAT5ForConditionalGeneration
@@ -200,6 +205,90 @@ def test_every_class_builds_on_the_meta_device(model_class):
     assert all(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()])
 
 
+def weights_file_without(folder, *names, **replaced):
+    """Rewrite `folder`'s weights file without the tensors `names`, with the tensors `replaced`."""
+    weights = {name: tensor for name, tensor in load_file(folder / "model.safetensors").items() if name not in names}
+    save_file({**weights, **replaced}, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def on_meta(model):
+    return [name for name, tensor in model.named_parameters(remove_duplicate=False) if tensor.is_meta]
+
+
+@pytest.mark.parametrize("model_class", FAT5_CLASSES, **by_name)
+def test_a_weights_file_without_the_models_weights_reports_every_weight_missing_as_t5s_does(model_class, tmp_path):
+    """transformers' `test_model_weights_reload_no_missing_tied_weights`: every parameter of a folder whose weights
+    file holds none of the model's tensors is reported missing, and none is left on the meta device. The names
+    reported beyond `named_parameters()` are tied ones (the stacks' embeddings, a tied head), as T5's."""
+    reports = {}
+    for built_class in (model_class, T5_OF[model_class]):
+        folder = tmp_path / built_class.__name__
+        build(built_class).save_pretrained(folder)
+        weights_file_without(folder, *load_file(folder / "model.safetensors"), tensor=torch.tensor([1, 2]))
+        loaded, info = built_class.from_pretrained(folder, output_loading_info=True)
+        names, missing = {name for name, _ in loaded.named_parameters()}, set(info["missing_keys"])
+        assert names <= missing, (built_class, names - missing)
+        assert not on_meta(loaded), built_class
+        reports[built_class] = {name.removeprefix("transformer.") for name in missing - names}
+    tied = {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"}
+    assert reports[model_class] <= tied and reports[T5_OF[model_class]] <= tied
+    if model_class in ENCODER_DECODER:
+        assert reports[model_class] - {"lm_head.weight"} == reports[T5_OF[model_class]] - {"lm_head.weight"}
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("model_class", [FAT5ForConditionalGeneration, fat5.FAT5EncoderModel], **by_name)
+def test_a_weights_file_without_the_embedding_reports_it_missing(model_class, tied, tmp_path):
+    """The embedding (`shared.weight`) absent: reported missing with its stack names, created and initialised
+    rather than left on the meta device, and tied as the config says; every other weight loaded."""
+    model = build(model_class, tie_word_embeddings=tied)
+    model.save_pretrained(tmp_path)
+    weights_file_without(tmp_path, "shared.weight", "lm_head.weight")
+    loaded, info = model_class.from_pretrained(tmp_path, output_loading_info=True)
+    assert "shared.weight" in info["missing_keys"] and not on_meta(loaded)
+    assert ("lm_head.weight" in info["missing_keys"]) == (model_class is FAT5ForConditionalGeneration)
+    assert loaded.encoder.embed_tokens.weight is loaded.shared.weight
+    if model_class is FAT5ForConditionalGeneration:
+        assert loaded.decoder.embed_tokens.weight is loaded.shared.weight
+        assert (loaded.lm_head.weight is loaded.shared.weight) == tied
+    saved = model.state_dict()
+    assert all(torch.equal(tensor, saved[name]) for name, tensor in loaded.state_dict().items()
+               if "embed_tokens" not in name and name not in ("shared.weight", "lm_head.weight"))
+
+
+def test_a_tied_head_saved_without_the_embedding_gives_the_embedding_its_weight(tmp_path):
+    """A tied model's weights saved as `lm_head.weight` alone (no `shared.weight`): the embedding takes the head's
+    weight, as transformers 5 ties to the name that was loaded (transformers 4.57's T5 leaves both on the meta
+    device); nothing is missing."""
+    model = build(FAT5ForConditionalGeneration, tie_word_embeddings=True)
+    model.save_pretrained(tmp_path)
+    weights_file_without(tmp_path, "shared.weight", **{"lm_head.weight": model.shared.weight.detach().clone()})
+    loaded, info = FAT5ForConditionalGeneration.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not on_meta(loaded)
+    assert torch.equal(loaded.shared.weight, model.shared.weight)
+    assert loaded.lm_head.weight is loaded.shared.weight is loaded.encoder.embed_tokens.weight
+    assert torch.equal(first_tensor(run(loaded.eval())), first_tensor(run(model)))
+
+
+def test_an_embedding_of_another_size_reloads_only_with_ignore_mismatched_sizes_as_in_t5(tmp_path):
+    """A mis-shaped embedding is refused, or with `ignore_mismatched_sizes` reported and initialised (never left
+    on the meta device), as T5's (tied: transformers 5's T5 ties whatever its config says)."""
+    mismatched = {}
+    for model_class in (FAT5ForConditionalGeneration, T5ForConditionalGeneration):
+        folder = tmp_path / model_class.__name__
+        build(model_class, tie_word_embeddings=True).save_pretrained(folder)
+        with pytest.raises((RuntimeError, ValueError), match="size"):
+            model_class.from_pretrained(folder, vocab_size=VOCAB + 3)
+        loaded, info = model_class.from_pretrained(folder, vocab_size=VOCAB + 3, ignore_mismatched_sizes=True,
+                                                   output_loading_info=True)
+        mismatched[model_class] = sorted(entry if isinstance(entry, str) else entry[0]
+                                         for entry in info["mismatched_keys"])
+        assert loaded.shared.weight.shape[0] == VOCAB + 3 and not on_meta(loaded)
+        assert loaded.encoder.embed_tokens.weight is loaded.shared.weight
+    assert mismatched[FAT5ForConditionalGeneration] == mismatched[T5ForConditionalGeneration]
+    assert "shared.weight" in mismatched[FAT5ForConditionalGeneration]
+
+
 def test_a_head_of_another_size_reloads_only_with_ignore_mismatched_sizes_as_in_t5(tmp_path):
     mismatched = {}
     for model_class in (fat5.FAT5ForTokenClassification, T5ForTokenClassification):
@@ -349,6 +438,59 @@ def test_a_frozen_model_with_input_gradients_trains_an_adapter_through_checkpoin
 # transformers 5.23's T5 cannot generate when its decoder is deeper than its encoder (FAT5 can; see
 # test_generation_cache.py), so generation compared with T5 uses equal depths.
 EQUAL_DEPTHS = {"num_decoder_layers": SHAPES["num_layers"]}
+
+
+def deprecation_warnings(call):
+    """(what `call` returns, the FutureWarnings it raised about `past_key_values`)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = call()
+    return result, [str(warning.message) for warning in caught
+                    if issubclass(warning.category, FutureWarning) and "`past_key_values` is deprecated" in
+                    str(warning.message)]
+
+
+@pytest.mark.parametrize("model_class", [fat5.FAT5Model, FAT5ForConditionalGeneration], **by_name)
+def test_the_cache_passed_as_past_key_values_warns_where_t5s_forward_warns(model_class):
+    """transformers' `test_bc_cache_name_forward` (5.24): the cache passed under its old name, `past_key_values`,
+    gives the cache it gives as `cache`, with a FutureWarning exactly where the installed T5's forward gives one
+    (transformers 5.24 renamed it; 5.40 removes the old name)."""
+    empty = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    inputs = {**inputs_for(model_class), "use_cache": True}
+    warned, outputs = {}, {}
+    for built_class in (T5_OF[model_class], model_class):
+        model = build(built_class)
+        outputs[built_class], warned[built_class] = deprecation_warnings(
+            functools.partial(model, **inputs, past_key_values=copy.deepcopy(empty)))
+        assert output_cache(outputs[built_class]).get_seq_length() == inputs["decoder_input_ids"].shape[1]
+    assert bool(warned[model_class]) == bool(warned[T5_OF[model_class]])
+    assert all(f"`{model_class.__name__}.forward`" in message for message in warned[model_class])
+    old = outputs[model_class]
+    new, none = deprecation_warnings(lambda: model(**inputs, cache=copy.deepcopy(empty)))
+    assert not none and output_cache(new).get_seq_length() == output_cache(old).get_seq_length()
+    assert torch.equal(first_tensor(new), first_tensor(old))
+
+
+def test_a_cache_passed_under_both_names_is_the_one_named_cache_unless_it_holds_nothing():
+    """Both names given: the cache named `cache` is used, as T5's forward uses it, unless it is empty and the other
+    holds tokens (transformers 5.24's generate passes its own empty cache as `cache` beside the cache PEFT's prefix
+    tuning fills under the old name; T5 drops that one)."""
+    model = build(FAT5ForConditionalGeneration)
+    inputs = inputs_for(FAT5ForConditionalGeneration)
+    decoder_input_ids = inputs.pop("decoder_input_ids")
+    with torch.no_grad():
+        whole = model(**inputs, decoder_input_ids=decoder_input_ids).logits
+
+        def past(length):
+            return output_cache(model(**inputs, decoder_input_ids=decoder_input_ids[:, :length], use_cache=True))
+
+        def next_logits(**caches):
+            return deprecation_warnings(lambda: model(**inputs, decoder_input_ids=decoder_input_ids[:, 2:3],
+                                                      **caches).logits)[0]
+
+        assert close(next_logits(cache=past(2), past_key_values=past(1)), whole[:, 2:3])
+        assert close(next_logits(cache=EncoderDecoderCache(DynamicCache(), DynamicCache()),
+                                 past_key_values=past(2)), whole[:, 2:3])
 
 
 def test_generation_continues_from_a_returned_cache_with_the_tokens_of_one_call():

@@ -21,11 +21,11 @@ import argparse
 import csv
 import io
 import json
-import os
 import random
 from pathlib import Path
 
 from fat5.cli import CliParser, CommandError, exit_with, run
+from fat5.safe_files import write_atomically
 
 # The demo model's words (scripts/train_demo_t5.py).
 ANIMALS = "cat dog bird fish fox cow hen owl".split()
@@ -132,7 +132,7 @@ def sample_files(rows, seed=0):
 
 
 def write_files(folder, files):
-    """Write `files` into `folder`, each whole (a temporary name, then renamed); a file already there is kept when it
+    """Write `files` into `folder`, each whole (fat5/safe_files.py); a file already there is kept when it
     holds the same text, and refused, before anything is written, when it does not."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
@@ -148,12 +148,7 @@ def write_files(folder, files):
         if path.exists():
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.partial")
-        try:
-            partial.write_text(text, encoding="utf-8")
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
+        write_atomically(path, text)
         written.append(name)
     return written
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from fat5.cli import CommandError
-from fat5.remote_code_fat5 import StagedFolder
+from fat5.safe_files import StagedFolder
 
 from .denoising import sentinel_token_ids
 

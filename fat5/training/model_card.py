@@ -3,17 +3,18 @@ merged LoRA folder) and pretraining's. Its YAML metadata names the base model, t
 `model-index`, the metrics of the run's final evaluation; its text says how to load the folder, what it was trained
 on and the exact command line that made it.
 
-The card is written whole (a temporary file renamed into place) right after the model, and again when an evaluation
-adds metrics; `ModelCardTrainerMixin` makes Trainer's `push_to_hub` (`--push_to_hub`) write this card in place of
-transformers' draft, so the pushed repo carries it.
+The card is written whole (fat5/safe_files.py) right after the model, and again when an evaluation adds metrics;
+`ModelCardTrainerMixin` makes Trainer's `push_to_hub` (`--push_to_hub`) write this card in place of transformers'
+draft, so the pushed repo carries it.
 """
 
 import json
-import os
 import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from fat5.safe_files import write_atomically
 
 # Trainer's metrics that describe the run's speed, not the model.
 NOT_SCORES = ("runtime", "samples_per_second", "steps_per_second", "epoch", "total_flos", "steps")
@@ -125,14 +126,9 @@ class RunCard:
         return f"---\n{self.metadata(folder, adapter).to_yaml()}\n---\n\n" + "\n".join(lines)
 
     def write(self, folder, adapter=False):
-        """Write FOLDER/README.md whole (a temporary file renamed into place)."""
+        """Write FOLDER/README.md whole (fat5/safe_files.py: a temporary file flushed, then renamed into place)."""
         path = Path(folder) / "README.md"
-        partial = path.with_name(f".README.md.{os.getpid()}.partial")
-        try:
-            partial.write_text(self.text(folder, adapter), encoding="utf-8")
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
+        write_atomically(path, self.text(folder, adapter))
         return path
 
 

@@ -63,7 +63,6 @@ Trainer is used through its public API only: callbacks (`CheckpointMarks`, `NonF
 `train`.
 """
 
-import fcntl
 import json
 import os
 import re
@@ -78,7 +77,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from fat5.cli import CommandError, WriteFailed, raise_if_interrupted, write_failure
-from fat5.remote_code_fat5 import remove_stale_staging
+from fat5.safe_files import fsync_tree, lock, remove_folder, remove_stale_staging, write_atomically
 
 from .finite import NonFiniteStop
 from .flags import RunFolderArguments  # the run folder's flags, read before transformers loads
@@ -134,12 +133,7 @@ def read_record(folder):
 
 
 def _write_json_atomically(path, value):
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text(json.dumps(value, indent=1) + "\n")
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)  # a write that failed (a full disk) leaves nothing behind
+    write_atomically(path, json.dumps(value, indent=1) + "\n")
 
 
 def folder_entries(folder):
@@ -277,16 +271,13 @@ class RunFolder:
         return self.resume_checkpoint
 
     def _acquire_lock(self):
-        descriptor = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(descriptor, 64, 0).decode(errors="replace").strip()
-            os.close(descriptor)
+        descriptor = lock(self.path / LOCK_NAME, create=True)
+        if descriptor is None:
+            owner = (self.path / LOCK_NAME).read_text(errors="replace").strip()
             raise CommandError(f"--output_dir {self.path} is in use by another run (process {owner or '?'}); wait "
-                               f"for it to finish or choose another folder") from None
+                               f"for it to finish or choose another folder")
         os.ftruncate(descriptor, 0)
-        os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)
+        os.write(descriptor, f"{os.getpid()}\n".encode())
         self._lock = descriptor
 
     def close(self):
@@ -403,7 +394,7 @@ class RunFolder:
         print(f"--overwrite_output_dir: deleting what the earlier run wrote in {self.path}")
         for path in self._contents():
             if path.is_dir() and not path.is_symlink():
-                _remove_folder(path)  # never a half-deleted checkpoint
+                remove_folder(path)  # never a half-deleted checkpoint
             else:
                 path.unlink()
         (self.path / RECORD_NAME).unlink(missing_ok=True)
@@ -524,26 +515,6 @@ class RunFolderTrainerMixin:
             self.remove_callback(_StopBeforeTheFirstStep)
 
 
-def _remove_folder(path):
-    """Delete a folder so that it is never seen half deleted: renamed to a hidden name first (CHECKPOINT_LEFTOVER,
-    cleaned at the next start should the deletion be cut short)."""
-    doomed = path.with_name(f".{path.name}.removed")
-    shutil.rmtree(doomed, ignore_errors=True)  # what an earlier deletion left
-    os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def _fsync_tree(folder):
-    """Flush a checkpoint's files and folders to the disk before its mark says it is complete."""
-    for root, _, files in os.walk(folder):
-        for name in [*files, "."]:
-            descriptor = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(descriptor)
-            finally:
-                os.close(descriptor)
-
-
 class CheckpointMarks(TrainerCallback):
     """A checkpoint is whole or it does not count, with Trainer's own saving (public callbacks only): Trainer
     writes checkpoint-N into the run folder; `on_save`, which Trainer calls once the checkpoint is written, flushes
@@ -578,7 +549,7 @@ class CheckpointMarks(TrainerCallback):
         self.saving = f"checkpoint-{state.global_step}"
         old = self.run_dir(args) / self.saving
         if args.should_save and old.is_dir():
-            _remove_folder(old)
+            remove_folder(old)
         self.trainer.accelerator.wait_for_everyone()  # no process writes into checkpoint-N before it is gone
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -604,7 +575,7 @@ class CheckpointMarks(TrainerCallback):
         run_id = (read_record(run_dir) or {}).get("run")
         marked = complete_checkpoints(run_dir, run_id)
         order = 1 + max((read_record(path).get("saved", 0) for path in marked), default=0)
-        _fsync_tree(checkpoint)
+        fsync_tree(checkpoint)
         _write_json_atomically(checkpoint / RECORD_NAME, {"run": run_id, "step": state.global_step, "saved": order,
                                                           **self.trainer.checkpoint_mark()})
         self.rotate(run_dir, run_id, state.best_model_checkpoint)
@@ -618,7 +589,7 @@ class CheckpointMarks(TrainerCallback):
         removable = [path for path in checkpoints if path.name not in kept]
         excess = len(checkpoints) - max(self.limit, len(kept & {path.name for path in checkpoints}))
         for path in removable[:max(excess, 0)]:
-            _remove_folder(path)
+            remove_folder(path)
 
     @contextmanager
     def failed_save_reported(self):
@@ -632,7 +603,7 @@ class CheckpointMarks(TrainerCallback):
                 raise
             partial = self.run_dir(self.trainer.args) / self.saving
             if self.trainer.args.should_save and partial.is_dir() and read_record(partial) is None:
-                _remove_folder(partial)  # a save cut short (a full disk, Ctrl-C) leaves nothing
+                remove_folder(partial)  # a save cut short (a full disk, Ctrl-C) leaves nothing
             reason = write_failure(error, self.trainer.args.output_dir) if isinstance(error, Exception) else None
             if reason is None:
                 raise

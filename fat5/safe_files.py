@@ -1,0 +1,243 @@
+"""Writing files and folders whole or not at all: the one home of FAT5's file safety for everything that is not a
+model's shipped code: the converters and exporters (convert/safety.py), `save_pretrained` wherever FAT5 is installed
+(fat5/remote_code_fat5.py takes `StagedFolder` from here when it can import it), training checkpoints and the run
+folder's records (fat5/training/run_folder.py), the tokenizer pretraining trains, the model cards of
+training runs (fat5/training/model_card.py) and `fat5 sample-data`'s files.
+
+A folder is written into a staging folder beside its target (`.NAME.partial-PID-XXXX`), then put in place. The
+shipped `remote_code_fat5.StagedFolder` does that with plain renames, which every platform has; `StagedFolder` here
+adds what the platform offers:
+- one atomic step over an existing target: Linux `renameat2(RENAME_EXCHANGE)` swaps the two folders; elsewhere two
+  renames with Ctrl-C and SIGTERM held between them (a crash between them leaves the old folder at `...-old` and
+  none at the target: the next writer puts it back);
+- a rename that replaces nothing (`renameat2(RENAME_NOREPLACE)`; elsewhere the target is claimed with `mkdir`
+  first), so that what appeared at the target meanwhile is replaced only when asked (`replace`);
+- a lock (`flock`) on each staging folder while it is written, so that the next writer on the same target removes
+  the staging folders of killed ones and never one still being written (where there is no `fcntl`, none is
+  removed);
+- the staged folder and its parent flushed to disk around the step.
+Standard library only; nothing platform-specific is imported at module level.
+"""
+
+import errno
+import os
+import shutil
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+from fat5 import remote_code_fat5
+from fat5.remote_code_fat5 import STAGING_MARK, rename_aside
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2  # linux/fs.h
+AT_FDCWD = -100
+
+
+def staging_prefix(target):
+    return f".{Path(target).name}{STAGING_MARK}"
+
+
+def lock(path, create=False):
+    """An exclusive lock (`flock`) on the file or folder at `path` (a file, made if absent, with `create`), held
+    until the returned descriptor is closed; None when another process holds it. Where the platform has no `fcntl`
+    nothing is locked: the descriptor of the file with `create`, else None."""
+    if fcntl is None:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o666) if create else None
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o666) if create else os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        return None
+    return descriptor
+
+
+def remove_stale_staging(target):
+    """Remove the staging folders of `target` that killed writers left (those no process holds locked); an old
+    folder that a killed replacement had moved aside (`...-old`, no folder at `target`) is put back instead."""
+    target = Path(target)
+    if fcntl is None or not target.parent.is_dir():
+        return
+    prefix = staging_prefix(target)
+    for path in sorted(target.parent.iterdir()):
+        if not path.name.startswith(prefix) or path.is_symlink() or not path.is_dir():
+            continue
+        descriptor = lock(path)
+        if descriptor is None:
+            continue
+        try:
+            if path.name.endswith("-old") and not os.path.lexists(target):
+                os.rename(path, target)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(descriptor)
+
+
+def renameat2(first, second, flag):
+    """Linux renameat2(first, second, flag); False where the system lacks it or the flag (kernel, filesystem)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "renameat2"):
+        return False
+    if libc.renameat2(AT_FDCWD, os.fsencode(first), AT_FDCWD, os.fsencode(second), flag) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(second))
+
+
+def exchange(first, second):
+    """Atomically swap two paths (RENAME_EXCHANGE). False where the system cannot."""
+    return renameat2(first, second, RENAME_EXCHANGE)
+
+
+def rename_no_replace(first, second):
+    """Rename `first` to `second`, failing (EEXIST) if `second` exists. Without renameat2, `second` is claimed with
+    mkdir first, then replaced by the rename, which replaces only an empty folder (so anything put into the
+    claimed one meanwhile makes it fail); elsewhere than POSIX a rename never replaces anything."""
+    if renameat2(first, second, RENAME_NOREPLACE):
+        return
+    if os.name == "posix":
+        os.mkdir(second)
+    os.rename(first, second)
+
+
+@contextmanager
+def signals_deferred():
+    """Hold Ctrl-C (SIGINT) and SIGTERM during steps that must complete together; a signal that arrives meanwhile
+    is re-raised right after. (Python runs signal handlers in the main thread only; elsewhere nothing is held.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = {number: signal.signal(number, lambda number, frame: received.append(number))
+                for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        for number in received[:1]:
+            signal.raise_signal(number)
+
+
+def fsync_folder(folder):
+    """Flush a folder's entries to disk (where folders can be opened: not on Windows)."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def swap_in(source, target):
+    """Put the folder `source` at the existing path `target` (call with signals held): one exchange, or two renames
+    where the system has none. Returns the path that then holds the old folder."""
+    return Path(source) if exchange(source, target) else rename_aside(source, target)
+
+
+def put_in_place(source, target, replace="all"):
+    """Move the complete folder `source` to `target` in one step; return where the folder that was at `target` now
+    lies, for the caller to remove (None when there was none, or only an empty folder).
+
+    `replace`: "all" replaces whatever is at `target`; "empty" accepts `target` absent or an empty folder (a rename
+    replaces only an empty folder, atomically); "nothing" accepts only an absent `target`. Otherwise `target` is
+    left as it is and FileExistsError says so.
+    """
+    source, target = Path(source), Path(target)
+    fsync_folder(source)
+    with signals_deferred():
+        try:
+            if replace == "empty":
+                os.rename(source, target)
+            else:
+                rename_no_replace(source, target)
+            old = None
+        except OSError as error:
+            if error.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                raise
+            if replace != "all":
+                raise FileExistsError(errno.EEXIST, "appeared while the new folder was written", str(target)) \
+                    from error
+            old = swap_in(source, target)
+    fsync_folder(target.parent)
+    return old
+
+
+class StagedFolder(remote_code_fat5.StagedFolder):
+    """remote_code_fat5.StagedFolder (the same use) with the steps above: its staging folder locked while it is
+    written, staging folders of killed writers removed first, and `put_in_place` with `replace` ("all" by
+    default: what `save_pretrained` does)."""
+
+    def __init__(self, target, replace="all"):
+        super().__init__(target)
+        self.replace = replace
+        self._lock = None
+
+    def __enter__(self):
+        remove_stale_staging(self.target)
+        super().__enter__()
+        self._lock = lock(self.path)
+        return self
+
+    def put_in_place(self, source, target):
+        return put_in_place(source, target, self.replace)
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self._lock is not None:
+                os.close(self._lock)
+                self._lock = None
+
+
+def remove_folder(path):
+    """Delete a folder so that it is never seen half deleted: renamed to `.NAME.removed` first (what a deletion cut
+    short leaves there is removed by the next one)."""
+    path = Path(path)
+    doomed = path.with_name(f".{path.name}.removed")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def fsync_tree(folder):
+    """Flush a folder's files and subfolders to disk (files only where folders cannot be opened: not on Windows)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            descriptor = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        fsync_folder(root)
+
+
+def write_atomically(path, text):
+    """Write `text` (UTF-8) to the file `path` whole or not at all: into a temporary file beside it, flushed to
+    disk, then renamed over it; a failed write (a full disk) leaves `path` as it was and nothing beside it."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)

@@ -121,11 +121,13 @@ def test_help_lists_the_flags_hf_argument_parser_reads(command):
         assert shown[name].required == action.required, name
 
 
-@pytest.mark.parametrize("command, first", [(["train", "--do_train"], "datasets"), (["pretrain"], "torch")])
+@pytest.mark.parametrize("command, first", [(["train", "--do_train"], ("datasets",)),
+                                            (["pretrain"], ("torch", "transformers", "datasets"))])
 def test_a_command_says_it_loads_torch_before_it_does_on_a_terminal(command, first):
     """On a terminal, a command's first line comes before torch and transformers start to load (they take seconds):
-    here the first heavy import is stopped (the recipes' is datasets, pretraining's torch), and the line is already
-    there. Off a terminal (a log, a pipe: every other test) the command prints only its own lines."""
+    here the first heavy import is stopped (the recipes' is datasets; pretraining's depends on the transformers),
+    and the line is already there. Off a terminal (a log, a pipe: every other test) the command prints only its own
+    lines."""
     import pty
 
     code = f"""
@@ -154,7 +156,7 @@ console_main()
     lines = output.replace("\r", "").splitlines()
     assert process.returncode == 0, lines
     assert lines[:1] == [f"fat5 {command[0]}: loading torch and transformers..."], lines
-    assert lines[1:] == [f"importing {first}"], lines
+    assert len(lines) == 2 and lines[1].removeprefix("importing ") in first, lines
 
 
 @pytest.mark.parametrize("command, module, extra", [("onnx", "optimum", "onnx"), ("ct2", "ctranslate2", "ct2")])

@@ -14,6 +14,8 @@
 - An optional library the command needs is not installed (an extra of pyproject.toml): one line naming the
   `pip install "fat5[EXTRA]"` that installs it, exit status 2.
 - Anything else is a bug in FAT5 and keeps its traceback.
+- On a terminal, a command that goes on to import torch and transformers (seconds) first says so in one line,
+  `fat5 COMMAND: loading torch and transformers...` (`LoadingNotice`); a log or a pipe gets only the lines above.
 
 Only the standard library is imported here (and `fat5/__init__.py` imports nothing until a model class is asked
 for), so an entry point catches Ctrl-C while torch and transformers are still being imported, and answers --help
@@ -207,6 +209,39 @@ def write_failures_reported(what, folder=None):
 _interruptions = []
 
 
+# What a command that imports torch and transformers says first, on a terminal: those imports take seconds (tens on a
+# cold disk), and nothing else would show that the command started. "fat5 COMMAND" when fat5.commands runs it.
+program = None
+SLOW_IMPORTS = ("torch", "transformers", "datasets")  # datasets: the recipes import it first (pandas, pyarrow)
+
+
+class LoadingNotice:
+    """An import hook (first on sys.meta_path) that finds no module: when torch or transformers starts to load, it
+    prints `fat5 COMMAND: loading torch and transformers...` to stderr, once, and removes itself (datasets, which
+    imports them, counts too)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name in SLOW_IMPORTS:
+            self.remove()
+            print(f"{program + ': ' if program else ''}loading torch and transformers...", file=sys.stderr,
+                  flush=True)
+        return None
+
+    def remove(self):
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+
+def loading_notice():
+    """The LoadingNotice a command installs: only where stderr is a terminal (a log or a pipe gets the command's
+    own lines only, bad input its one `error:` line), and only while torch is not loaded yet."""
+    if not any(name in sys.modules for name in SLOW_IMPORTS) and sys.stderr is not None and sys.stderr.isatty():
+        notice = LoadingNotice()
+        sys.meta_path.insert(0, notice)
+        return notice
+    return None
+
+
 def raise_if_interrupted():
     """Raise the KeyboardInterrupt of a Ctrl-C (or SIGTERM) that Python dropped. Long loops call it at safe points
     (the Trainers' steps, fat5/training/run_folder.py), and `run` calls it when the command returns."""
@@ -262,6 +297,7 @@ def run(command, argv=None, extra=None):
         if not (forked and (_interruptions or issubclass(exc_type, ConnectionError))):
             previous_excepthook(exc_type, *exc_info)
 
+    notice = loading_notice()
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {number: signal.signal(number, on_signal) for number in STOPPED_BY} if in_main_thread else {}
     previous_unraisable, sys.unraisablehook = sys.unraisablehook, on_unraisable
@@ -283,6 +319,8 @@ def run(command, argv=None, extra=None):
         print(f"error: {line}", file=sys.stderr)
         return EXIT_CHECK_FAILED if isinstance(error, CheckFailed) else EXIT_BAD_INPUT
     finally:
+        if notice is not None:
+            notice.remove()
         _interruptions.clear()
         sys.unraisablehook, sys.excepthook = previous_unraisable, previous_excepthook
         for number, handler in previous.items():

@@ -1,7 +1,8 @@
 """`fat5`, the one console command: `fat5 COMMAND [ARGS]` runs the module each command names with ARGS, exactly as
 `python -m MODULE ARGS` does (same flags, output and exit status; `python -m` keeps working).
 
-Only the standard library is imported until a command runs, so `fat5 --help` and a mistyped command answer at once.
+Only the standard library is imported until a command runs, so `fat5 --help` and a mistyped command answer at once,
+and so does a command that needs an extra which is not installed (`NEEDS`).
 The commands are the modules above the model package (the converters in `convert/`, the recipes, pretraining); this
 launcher names them as strings and imports the one asked for, nothing else. A Ctrl-C from the first instant
 `console_main` runs (imports included) ends it with one `interrupted` line and exit status 130.
@@ -27,9 +28,14 @@ COMMANDS = {
     "classify": ("fat5.recipes.classify", "fine-tune a classifier, as text or with a classification head "
                                           "(\"recipes\" extra)"),
     "predict": ("fat5.recipes.predict", "generate with a saved folder into a CSV (\"recipes\" extra)"),
+    "sample-data": ("fat5.recipes.sample_data", "write small data files for every recipe and for pretraining (the "
+                                                "docs' examples run on them)"),
     "bench": (None, "run a script of benchmarks/ (a source checkout only: the scripts are not in the wheel)"),
 }
 PROG = "fat5"
+# Commands that need an extra's libraries whatever their flags: (extra, import names), checked before the command
+# loads (its own imports take seconds), except for --help.
+NEEDS = {"onnx": ("onnx", ("optimum",)), "ct2": ("ct2", ("ctranslate2",))}
 EXIT_BAD_INPUT = 2  # fat5.cli's, imported once a command runs
 # The benchmarks live beside the package in a source checkout (an editable install), never in the wheel.
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "benchmarks")
@@ -71,6 +77,8 @@ def bench(argv):
     if name not in scripts:
         return fail(f"bench: no script {argv[0]!r} in {BENCHMARKS}; choose one of {', '.join(scripts)}")
     script = os.path.join(BENCHMARKS, f"{name}.py")
+    if sys.stderr.isatty():  # as fat5.cli.LoadingNotice says it for the other commands
+        print(f"{PROG} bench {name}: loading torch and transformers...", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os.execv(sys.executable, [sys.executable, str(script), *argv[1:]])
 
@@ -98,6 +106,14 @@ def main(argv=None):
         return bench(rest)
     import importlib
 
+    from fat5 import cli
+
+    cli.program = f"{PROG} {command}"
+    if command in NEEDS and not {"-h", "--help"} & set(rest):
+        extra, modules = NEEDS[command]
+        status = cli.run(lambda argv, progress: cli.require(extra, *modules), [], extra=extra)
+        if status:
+            return status
     return importlib.import_module(module_name).main(rest)
 
 

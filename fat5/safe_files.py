@@ -1,7 +1,8 @@
 """Writing files and folders whole or not at all: the one home of FAT5's file safety for everything that is not a
 model's shipped code: the converters and exporters (convert/safety.py), `save_pretrained` wherever FAT5 is installed
 (fat5/remote_code_fat5.py takes `StagedFolder` from here when it can import it), training checkpoints and the run
-folder's records (fat5/training/run_folder.py), the tokenizer pretraining trains.
+folder's records (fat5/training/run_folder.py), the tokenizer pretraining trains, the model cards of
+training runs (fat5/training/model_card.py) and `fat5 sample-data`'s files.
 
 A folder is written into a staging folder beside its target (`.NAME.partial-PID-XXXX`), then put in place. The
 shipped `remote_code_fat5.StagedFolder` does that with plain renames, which every platform has; `StagedFolder` here

@@ -23,6 +23,21 @@ def test_the_recipes_say_the_generation_length_they_use():
     assert "(default: the model's generation config when it sets max_new_tokens, else --max_target_length)" in help_text
 
 
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_the_recipes_log_the_loss_ten_times_a_run_unless_told(name, capsys):
+    """Trainer's default logs every 500 steps: nothing in a short run. A recipe logs ten times a run (a ratio of the
+    run's steps), says so in --help, and keeps a value given."""
+    from fat5.recipes.runner import recipe_parser
+    from fat5.training.flags import parse
+
+    base = ["--model_name_or_path", "m", "--output_dir", "o", "--do_train"]
+    assert parse(recipe_parser(RECIPES[name].RECIPE), base)[-1].logging_steps == 0.1
+    assert parse(recipe_parser(RECIPES[name].RECIPE), [*base, "--logging_steps", "7"])[-1].logging_steps == 7
+    with pytest.raises(SystemExit):
+        RECIPES[name].main(["--help"])
+    assert "Trainer defaults changed here: logging_steps 0.1" in capsys.readouterr().out
+
+
 def test_pretraining_says_and_uses_its_own_learning_rate_defaults(tmp_path):
     """Not Trainer's 5e-05: 2e-2 for a new model (adamw_scale), 1e-4 when continuing (adamw), whatever the flag's
     spelling when given."""

@@ -3,7 +3,7 @@ loads (the Trainer's flags behind --help-all); a bad flag is one `error:` line; 
 naming the `pip install "fat5[EXTRA]"` that installs it, exit status 2; a Ctrl-C while the command loads is one
 `interrupted` line, exit status 130."""
 
-import importlib.metadata
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +14,7 @@ import pytest
 
 from fat5.cli import EXIT_BAD_INPUT, EXIT_OUTPUT_CLOSED, MissingExtra, extra_changes, run
 from fat5.commands import COMMANDS
+from fat5.commands import NEEDS as EXTRA_NEEDED
 
 REPO = Path(__file__).resolve().parent.parent
 # Commands that run a Python module (bench runs a script of benchmarks/).
@@ -73,23 +74,97 @@ def test_the_console_script_runs_the_command_python_m_runs():
     assert ours.returncode == theirs.returncode == 0 and ours.stdout == theirs.stdout
 
 
-# The commands whose flags transformers' HfArgumentParser reads: their --help imports transformers' argument parser
-# (not torch under transformers 5; 4.57's `import transformers` imports torch itself), and any other command line is
-# parsed with the Trainer's flags, torch loaded (tests/test_command_flags.py holds their bad values to one line each).
+# The commands whose flags transformers' HfArgumentParser reads: --help renders their own flags without it, and any
+# other command line is parsed with the Trainer's flags, torch loaded (tests/test_command_flags.py holds their bad
+# values to one line each).
 HF_ARGUMENT_PARSER = ("pretrain", "train", "translation", "summarization", "classify", "predict")
-TRANSFORMERS_IMPORTS_TORCH = int(importlib.metadata.version("transformers").split(".")[0]) < 5
 
 
 @pytest.mark.parametrize("command", MODULE_COMMANDS)
 def test_help_and_a_bad_flag_answer_before_torch_loads(command):
     status, out, err, heavy = fat5_in_process([command, "--help"])
-    light = (["transformers"] + (["torch"] if TRANSFORMERS_IMPORTS_TORCH else [])) if command in HF_ARGUMENT_PARSER \
-        else []
-    assert status == 0 and out.startswith("usage: ") and set(heavy) <= set(light), (err[-2000:], heavy)
+    assert status == 0 and out.startswith("usage: ") and not heavy, (err[-2000:], heavy)
     status, out, err, heavy = fat5_in_process([command, "--no-such-flag"])
     assert status == EXIT_BAD_INPUT and (command in HF_ARGUMENT_PARSER or not heavy), (err[-2000:], heavy)
-    # The flag, or the arguments a command requires before it (argparse says which comes first).
-    assert len(err.splitlines()) == 1 and "error: " in err and ("--no-such-flag" in err or "required" in err), err
+    # The flag, or the arguments a command requires before it (argparse says which comes first), or the extra a
+    # command needs whatever its flags, when it is missing (optimum does not install beside transformers 5).
+    needed = EXTRA_NEEDED.get(command, (None, ()))[1]
+    missing = [module for module in needed if importlib.util.find_spec(module) is None]
+    says = [f"error: {missing[0]} is not installed"] if missing else ["--no-such-flag", "required"]
+    assert len(err.splitlines()) == 1 and "error: " in err and any(words in err for words in says), err
+
+
+def command_flags():
+    """The CommandFlags (--help) of each command whose flags HfArgumentParser reads."""
+    from fat5.recipes import classify, predict, summarization, train, translation
+    from fat5.recipes.command import recipe_flags
+    from fat5.training import pretrain
+
+    flags = {name: recipe_flags(module.RECIPE, name, module.__doc__) for name, module in [
+        ("train", train), ("translation", translation), ("summarization", summarization), ("classify", classify)]}
+    return {**flags, "pretrain": pretrain.FLAGS, "predict": predict.FLAGS}
+
+
+@pytest.mark.parametrize("command", HF_ARGUMENT_PARSER)
+def test_help_lists_the_flags_hf_argument_parser_reads(command):
+    """--help is rendered without transformers, from the command's own dataclasses: it lists exactly the flags
+    HfArgumentParser reads from them, with the same defaults and choices."""
+    from fat5.training.flags import parser
+
+    flags = command_flags()[command]
+    shown = {action.dest: action for action in flags.help_parser()._actions if action.dest not in ("help", "help_all")}
+    parsed = {action.dest: action for action in parser(flags.own)._actions if action.dest != "help"}
+    assert shown.keys() == parsed.keys()
+    for name, action in parsed.items():
+        assert f"--{name}" in action.option_strings and shown[name].option_strings == [f"--{name}"], name
+        assert (shown[name].default, shown[name].choices) == (action.default, action.choices), name
+        assert shown[name].required == action.required, name
+
+
+@pytest.mark.parametrize("command, first", [(["train", "--do_train"], ("datasets",)),
+                                            (["pretrain"], ("torch", "transformers", "datasets"))])
+def test_a_command_says_it_loads_torch_before_it_does_on_a_terminal(command, first):
+    """On a terminal, a command's first line comes before torch and transformers start to load (they take seconds):
+    here the first heavy import is stopped (the recipes' is datasets; pretraining's depends on the transformers),
+    and the line is already there. Off a terminal (a log, a pipe: every other test) the command prints only its own
+    lines."""
+    import pty
+
+    code = f"""
+import os, sys
+
+class StopAtTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name in ("torch", "transformers", "datasets"):
+            sys.stderr.write(f"importing {{name}}\\n")
+            sys.stderr.flush()
+            os._exit(0)
+
+sys.meta_path.insert(0, StopAtTorch())  # behind the LoadingNotice the command puts first
+sys.argv = ["fat5", *{command!r}, "--model_name_or_path", "m", "--output_dir", "o"]
+from fat5.commands import console_main
+console_main()
+"""
+    leader, follower = pty.openpty()
+    try:
+        process = subprocess.run([sys.executable, "-c", code], cwd=REPO, stderr=follower, stdout=subprocess.DEVNULL,
+                                 timeout=600)
+        output = os.read(leader, 65536).decode()
+    finally:
+        os.close(leader)
+        os.close(follower)
+    lines = output.replace("\r", "").splitlines()
+    assert process.returncode == 0, lines
+    assert lines[:1] == [f"fat5 {command[0]}: loading torch and transformers..."], lines
+    assert len(lines) == 2 and lines[1].removeprefix("importing ") in first, lines
+
+
+@pytest.mark.parametrize("command, module, extra", [("onnx", "optimum", "onnx"), ("ct2", "ctranslate2", "ct2")])
+def test_a_conversion_without_its_extra_says_so_before_anything_loads(command, module, extra, tmp_path):
+    status, _, err, heavy = fat5_in_process([command, tmp_path / "model", tmp_path / "out"], hidden=[module])
+    assert status == EXIT_BAD_INPUT and not heavy, (err[-2000:], heavy)
+    assert err.splitlines() == [f'error: {module} is not installed; this command needs FAT5\'s "{extra}" '
+                                f'extra{extra_changes(extra)}: pip install "fat5[{extra}]"'], err
 
 
 @pytest.mark.parametrize("module", ["fat5.cli", "fat5.recipes.command", "fat5.training.flags", "transformers",

@@ -74,10 +74,13 @@ def scratch_run(tmp_path_factory):
     corpus = write_corpus(folder / "corpus.txt", 1500)
     (folder / "tiny.json").write_text(json.dumps(TINY))
     out = folder / "out"
+    flags = common_flags(out, 40)[:-2]  # pinned memory left to the command: off on a CPU, without a warning
+    assert flags[-2:] == ["--disable_tqdm", "true"]
     process = run_pretrain("--config", folder / "tiny.json", "--train_files", corpus, "--tokenizer_vocab_size", 100,
-                           "--learning_rate", 1e-2, *common_flags(out, 40))
+                           "--learning_rate", 1e-2, *flags)
     assert process.returncode == 0, process.stderr[-4000:]
     (folder / "stdout.txt").write_text(process.stdout)
+    (folder / "stderr.txt").write_text(process.stderr)
     return folder, out
 
 
@@ -101,6 +104,21 @@ def test_from_scratch_loss_falls_and_logs_throughput(scratch_run):
     for entry in history:
         assert entry["tokens_per_second"] > 0 and 0.0 <= entry["padding_fraction"] < 1.0
         assert entry["learning_rate"] > 0
+
+
+def test_a_pretrained_folder_has_a_model_card_and_the_log_no_warning_nobody_can_act_on(scratch_run):
+    """The final folder's README.md: the Hub's format, FAT5's tags, the steps and the command line that made it.
+    The log holds no pinned-memory warning (a CPU has nothing to pin for) and no DeepSpeed notice that it found no
+    GPU (the run does not use DeepSpeed)."""
+    from huggingface_hub import ModelCard
+
+    folder, out = scratch_run
+    card = ModelCard.load(out / "README.md")
+    assert card.data.library_name == "transformers" and {"fat5", "pretraining"} <= set(card.data.tags)
+    assert "40 steps, mean training loss " in card.text
+    assert f"```bash\npython -m fat5.training.pretrain --config {folder / 'tiny.json'} --train_files " in card.text
+    log = (folder / "stdout.txt").read_text() + (folder / "stderr.txt").read_text()
+    assert "pin_memory" not in log and "Setting accelerator to CPU" not in log, log[-3000:]
 
 
 def test_logged_throughput_is_the_tokens_trained_on_over_the_wall_time(tmp_path, monkeypatch, one_thread):

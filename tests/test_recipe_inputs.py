@@ -400,7 +400,8 @@ def test_predict_never_overwrites_its_input_or_a_folder(tmp_path, capsys, pairs,
 
 
 class FakePipeline:
-    """What predict uses of a text2text-generation pipeline: its model, and a call that says " le chat"."""
+    """What predict uses of a text2text-generation pipeline: its model, and a call that says " le chat" (given a
+    generator of texts, as predict gives them, a pipeline yields each text's list of generations as it goes)."""
 
     def __init__(self, weight=1.0):
         self.model = torch.nn.Linear(2, 1)
@@ -408,7 +409,7 @@ class FakePipeline:
             self.model.weight[0, 1] = weight
 
     def __call__(self, texts, **flags):
-        return [{"generated_text": " le chat"} for _ in texts]
+        return ([{"generated_text": " le chat"}] for _ in texts)
 
 
 def test_predict_writes_references_as_written(tmp_path, capsys, model_folder, monkeypatch):

@@ -5,6 +5,7 @@ falls, the metric is computed, the saved folder (and the merged LoRA folder) loa
 where this repository cannot be imported, and bad input ends with one error line.
 """
 
+import contextlib
 import csv
 import json
 import os
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -134,6 +136,25 @@ def metrics(output_dir, split):
     return json.loads((Path(output_dir) / f"{split}_results.json").read_text())
 
 
+def assert_model_card(folder, task, results, library="transformers"):
+    """FOLDER/README.md is a model card in the Hub's format: FAT5's tags, the library, the metrics of each split's
+    final evaluation (`results`: {prefix: Trainer's metrics}) under model-index, the command line that made it (a
+    token hidden), no leftover of its atomic write."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(Path(folder) / "README.md")
+    assert card.data.library_name == library and {"fat5", "custom_code", task} <= set(card.data.tags)
+    shown = {(result.dataset_split, result.metric_type): result.metric_value for result in card.data.eval_results or []}
+    expected = {({"eval": "validation"}.get(prefix, prefix), name.removeprefix(prefix + "_")): round(value, 4)
+                for prefix, scores in results.items() for name, value in scores.items()
+                if name.removeprefix(prefix + "_") in ("loss", "bleu", "chrf", "accuracy", "rouge1")}
+    assert shown.items() >= expected.items() and (expected or not results), (shown, expected)
+    assert "```bash\npython -m fat5.recipes --model_name_or_path " in card.text
+    assert "trust_remote_code=True" in card.text
+    assert "hf_secret" not in card.content and ("--hub_token HIDDEN" in card.text or "--hub_token" not in card.text)
+    assert [path.name for path in Path(folder).iterdir() if path.name.startswith(".README")] == []
+
+
 # (recipe module, flags, flags that take effect only with --do_eval / --do_predict): a flag without effect is an
 # error.
 RECIPES = {
@@ -170,11 +191,13 @@ def run_recipe(name, demo_fat5, data, out, *flags, do=("--do_train", "--do_eval"
 
 
 def test_translation_bleu_chrf_and_predictions_csv(demo_fat5, data, tmp_path):
-    trainer = run_recipe("translation", demo_fat5, data, tmp_path / "out")
+    trainer = run_recipe("translation", demo_fat5, data, tmp_path / "out", "--hub_token", "hf_secret")
     assert_loss_falls(trainer)
     for split in ("eval", "test"):
         scores = metrics(tmp_path / "out", split)
         assert 0 <= scores[f"{split}_bleu"] <= 100 and 0 < scores[f"{split}_chrf"] <= 100, scores
+    assert_model_card(tmp_path / "out", "translation", {split: metrics(tmp_path / "out", split)
+                                                        for split in ("eval", "test")})
     with open(tmp_path / "out" / "predictions.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     with open(data["translation_test"], newline="") as f:
@@ -268,6 +291,10 @@ def test_lora_adapter_and_merged_folder(demo_fat5, data, tmp_path, name):
     assert_loss_falls(trainer)
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
     assert not (out / "model.safetensors").exists()
+    task = {"classify_text": "text-classification", "classify_classifier": "text-classification",
+            "train": "text2text-generation"}.get(name, name)
+    assert_model_card(out, task, {}, library="peft")  # the adapter's card, and the merged folder's
+    assert_model_card(out / "merged", task, {})
     frozen = [n for n, p in trainer.model.named_parameters() if not p.requires_grad]
     assert any(".q." in n or n.endswith("q.base_layer.weight") for n in frozen)
     # The merged folder computes what the base model plus adapter computes.
@@ -410,10 +437,41 @@ def test_the_default_log_fits_a_screen(demo_fat5, data, tmp_path, ci):
     lines = [line for line in (process.stdout + process.stderr).splitlines() if line.strip()]
     text = "\n".join(lines)
     assert '"d_model"' not in text and "Model config" not in text and "pin_memory" not in text, text
+    assert "Setting accelerator to CPU" not in text, text  # DeepSpeed's, when installed: the run does not use it
     assert len([line for line in lines if "model: FAT5ForConditionalGeneration from " in line]) == 1, text
     messages = [line.split(": ", 1)[-1] for line in lines if "WARNING" in line or "warn" in line.lower()]
     assert len(messages) == len(set(messages)), text
     assert len(lines) < 40, text
+
+
+def test_warnings_nobody_can_act_on_are_left_out_and_those_asked_for_kept():
+    """On a CPU, pinned memory is off unless --dataloader_pin_memory is given (torch would warn that it has nothing to
+    pin for); DeepSpeed's notice that it found no GPU is left out, by its message and module only, unless the run uses
+    DeepSpeed."""
+    import logging
+    from types import SimpleNamespace
+
+    from fat5.training.quiet import quiet_trainer_run
+
+    def training_args(**flags):
+        return SimpleNamespace(**{"device": torch.device("cpu"), "dataloader_pin_memory": True, "deepspeed": None,
+                                  **flags})
+
+    quiet = training_args()
+    quiet_trainer_run(quiet, given=set())
+    asked = training_args()
+    quiet_trainer_run(asked, given={"dataloader_pin_memory"})
+    assert quiet.dataloader_pin_memory is False and asked.dataloader_pin_memory is True
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    notice = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+
+    def shown(message, path="site-packages/deepspeed/accelerator/real_accelerator.py"):
+        return bool(deepspeed_logger.filter(deepspeed_logger.makeRecord(
+            "DeepSpeed", logging.WARNING, path, 213, message, None, None)))
+
+    assert not shown(notice) and shown(notice, path="elsewhere.py") and shown("another warning")
+    quiet_trainer_run(training_args(deepspeed="ds_config.json"), given={"deepspeed"})
+    assert shown(notice)
 
 
 @pytest.mark.slow
@@ -568,3 +626,81 @@ def test_recipes_say_a_flan_t5_fine_tunes_with_its_own_dropout_on_the_kernel():
     fire = tiny_config(dropout_rate=0.1, d_kv=64, position_encoding_type="fire")
     assert training_attention(fire, torch.device("cuda")).startswith("attention in training: SDPA on cuda")
     assert training_attention(object(), torch.device("cuda")) is None
+
+
+def test_push_to_hub_pushes_the_model_card(demo_fat5, data, tmp_path):
+    """--push_to_hub uploads the folder with the run's card (Trainer's create_model_card writes ours), and once more
+    at the end with the evaluation's metrics. The Hub is mocked: HfApi's methods (transformers 5) and the functions
+    4.57's Trainer imported."""
+    import transformers.trainer
+    from huggingface_hub import HfApi
+
+    uploaded = []
+
+    def upload_folder(*args, folder_path=None, **kwargs):
+        uploaded.append((Path(folder_path) / "README.md").read_text())
+        return mock.Mock(commit_url="https://huggingface.co/me/fat5-x/commit/1", oid="1")
+
+    repo = mock.Mock(repo_id="me/fat5-x")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(HfApi, "create_repo", return_value=repo))
+        stack.enter_context(mock.patch.object(HfApi, "upload_folder", side_effect=upload_folder))
+        for name, function in (("create_repo", lambda *args, **kwargs: repo), ("upload_folder", upload_folder)):
+            if hasattr(transformers.trainer, name):
+                stack.enter_context(mock.patch.object(transformers.trainer, name, side_effect=function))
+        run_recipe("train", demo_fat5, data, tmp_path / "out", "--push_to_hub", "--hub_model_id", "me/fat5-x",
+                   do=("--do_train", "--do_eval"))
+    assert len(uploaded) >= 2, uploaded
+    assert all(text.startswith("---\n") and "- fat5\n" in text for text in uploaded)
+    assert 'model="me/fat5-x"' in uploaded[-1] and "split: validation" in uploaded[-1]
+
+
+def test_the_card_names_the_hub_model_a_folder_was_converted_from(tmp_path):
+    from fat5.training.model_card import hub_base_model
+
+    (tmp_path / "README.md").write_text("---\nbase_model: google/flan-t5-small\ntags:\n- fat5\n---\n\n# A FAT5\n")
+    assert hub_base_model(str(tmp_path)) == "google/flan-t5-small"
+    assert hub_base_model("google/flan-t5-base") == "google/flan-t5-base"
+    assert hub_base_model(str(tmp_path / "missing")) == str(tmp_path / "missing")  # no such folder: a Hub id
+    (tmp_path / "README.md").unlink()
+    assert hub_base_model(str(tmp_path)) is None and hub_base_model(None) is None
+
+
+def test_predict_shows_progress_and_says_where_it_wrote(demo_fat5, data, tmp_path, capsys):
+    output = tmp_path / "predictions.csv"
+    assert predict.main(["--model", demo_fat5, "--input_file", data["double_test"], "--output_file", str(output),
+                         "--reference_column", "target", "--batch_size", "4", "--max_new_tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    assert "accuracy" in json.loads(captured.out)  # stdout: the score only
+    lines = captured.err.replace("\r", "\n").strip().splitlines()
+    assert any(line.startswith("generating: 100%") and "9/9" in line for line in lines), lines
+    assert lines[-1] == f"wrote 9 rows (source, reference, prediction) to {output}", lines
+    assert len(list(csv.DictReader(output.open(newline="")))) == 9
+
+
+def test_sample_data_writes_a_file_for_every_format_and_keeps_what_is_there(tmp_path, capsys):
+    from fat5.recipes import sample_data
+    from fat5.recipes.data import FORMATS, read_table
+    from fat5.training.data import Documents
+
+    folder = tmp_path / "data"
+    assert sample_data.main([str(folder), "--rows", "24"]) == 0
+    files = sorted(path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file())
+    assert files == sorted(sample_data.sample_files(24)) and {Path(name).suffix for name in files} >= set(FORMATS)
+    columns = {"translation": ["words", "digits"], "summaries": ["document", "summary"], "pairs": ["source", "target"],
+               "nli": ["premise", "hypothesis", "label"]}
+    for name in files:
+        task, _, split = Path(name).stem.partition("_")
+        if task in columns:
+            table = read_table(folder / name)
+            assert list(table.columns) == columns[task] and len(table) == (24 if split == "train" else 3), name
+    assert Documents([str(folder / "corpus"), str(folder / "domain.jsonl")], "text").files
+    # The same command again keeps the files; a file of the user's under one of the names is refused, untouched.
+    assert sample_data.main([str(folder), "--rows", "24"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote 0 sample files to {folder} (15 already there)"
+    (folder / "pairs_dev.csv").write_text("mine\n")
+    assert sample_data.main([str(folder), "--rows", "24"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {folder}/pairs_dev.csv exists with other content (another --rows or --seed, or a file of yours); "
+        f"choose another folder"]
+    assert (folder / "pairs_dev.csv").read_text() == "mine\n"

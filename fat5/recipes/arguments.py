@@ -126,6 +126,7 @@ class Recipe:
     seq2seq: Seq2SeqTrainer and its flags, generating for evaluation; False: the plain Trainer, no --do_predict.
     libraries: what the recipe imports of the "recipes" extra besides Trainer's accelerate and datasets (its
         metric's library), checked before anything runs.
+    task: the Hub task id its model cards name.
     """
 
     examples: Callable = source_target
@@ -135,7 +136,16 @@ class Recipe:
     data_arguments: type = DataArguments
     seq2seq: bool = True
     libraries: tuple = ()
+    task: str = "text2text-generation"
 
 
+# The Trainer defaults every recipe changes: the loss is logged ten times a run, whatever its length (Trainer's 500
+# steps would log nothing in a short run, and every 500 steps in a long one).
+RECIPE_DEFAULTS = {"logging_steps": 0.1}
 # The Trainer defaults a seq2seq recipe changes: evaluation and --do_predict generate (and score the texts).
 SEQ2SEQ_DEFAULTS = {"predict_with_generate": True}
+
+
+def changed_defaults(recipe):
+    """The Trainer defaults `recipe` changes: {flag: value}."""
+    return {**RECIPE_DEFAULTS, **(SEQ2SEQ_DEFAULTS if recipe.seq2seq else {})}

@@ -95,7 +95,7 @@ def classifier_classes(data_args):
 
 
 RECIPE = Recipe(examples=prompts_and_labels, score=exact_match, classes=classifier_classes,
-                check_training=every_class_trained, data_arguments=ClassificationArguments)
+                check_training=every_class_trained, data_arguments=ClassificationArguments, task="text-classification")
 main = recipe_main(RECIPE, "classify", __doc__)
 
 if __name__ == "__main__":

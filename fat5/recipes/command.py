@@ -3,8 +3,9 @@
 with the runner (fat5/recipes/runner.py), which parses the flags, inside `fat5.cli.run`, where Ctrl-C is handled.
 """
 
+from fat5 import cli
 from fat5.cli import require, run
-from fat5.recipes.arguments import SEQ2SEQ_DEFAULTS, FileFormatArguments, ModelArguments
+from fat5.recipes.arguments import FileFormatArguments, ModelArguments, changed_defaults
 from fat5.training.flags import CommandFlags, RunFolderArguments
 
 
@@ -17,9 +18,9 @@ def recipe_flags(recipe, name, description):
 
     prog = f"python -m fat5.recipes.{name}"
     own = (ModelArguments, recipe.data_arguments, FileFormatArguments, RunFolderArguments)
-    changed = ", ".join(f"{flag} {str(value).lower()}" for flag, value in SEQ2SEQ_DEFAULTS.items())
-    notes = [f"Trainer defaults changed here: {changed} (evaluation and --do_predict generate)."] if recipe.seq2seq \
-        else []
+    changed = ", ".join(f"{flag} {str(value).lower()}" for flag, value in changed_defaults(recipe).items())
+    notes = [f"Trainer defaults changed here: {changed} (the loss is logged ten times a run"
+             f"{'; evaluation and --do_predict generate' if recipe.seq2seq else ''})."]
     trainer = "Seq2SeqTrainingArguments" if recipe.seq2seq else "TrainingArguments"
     usage = (f"{prog} --model_name_or_path FOLDER --output_dir DIR --do_train|--do_eval|--do_predict\n"
              f"{' ' * len('usage: ' + prog)} [--train_file FILE ...] [options] [Trainer options]")
@@ -36,7 +37,7 @@ def recipe_main(recipe, name, description):
         require("recipes", "accelerate", "datasets", *recipe.libraries)
         from fat5.recipes.runner import fine_tune  # heavy imports, once Ctrl-C is handled
 
-        fine_tune(recipe, argv, progress)
+        fine_tune(recipe, argv, progress, program=cli.program or f"python -m fat5.recipes.{name}")
 
     def main(argv=None):
         return run(command, argv, extra="recipes")

@@ -8,6 +8,7 @@ a CSV (source[, reference], prediction); with --reference_column, also print exa
 
 import json
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,6 +99,7 @@ def predict(argv, progress):
     check_tokenizer_folder(args.model, "--model")
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
 
+    from tqdm.auto import tqdm
     from transformers import pipeline
 
     from fat5.training.finite import check_finite_weights
@@ -107,15 +109,21 @@ def predict(argv, progress):
         generator = pipeline("text2text-generation", model=args.model, trust_remote_code=True, device=args.device)
     check_finite_weights(generator.model, f"--model {args.model}",
                          advice="predict with a checkpoint saved before its training diverged")
-    outputs = generator([args.source_prefix + text for text in sources], batch_size=args.batch_size,
+    # A generator of inputs makes the pipeline yield its outputs as its batches finish, in order: the bar counts them.
+    outputs = generator((args.source_prefix + text for text in sources), batch_size=args.batch_size,
                         num_beams=args.num_beams, max_new_tokens=args.max_new_tokens,
                         length_penalty=args.length_penalty)
-    predictions = [output["generated_text"].strip() for output in outputs]
+    with tqdm(total=len(sources), desc="generating", unit="row") as bar:
+        predictions = []
+        for output in outputs:
+            predictions.append(output[0]["generated_text"].strip())
+            bar.update()
     if args.reference_column:
         # Compared stripped, as the generated texts are; the CSV keeps the references as written.
-        print(json.dumps(exact_match(predictions, [text.strip() for text in columns["reference"]])))
+        print(json.dumps(exact_match(predictions, [text.strip() for text in columns["reference"]])), flush=True)
     with write_failures_reported(args.output_file, Path(args.output_file).resolve().parent):
         write_predictions(args.output_file, {**columns, "prediction": predictions})
+    print(f"wrote {len(predictions)} rows ({', '.join(columns)}, prediction) to {args.output_file}", file=sys.stderr)
     return predictions
 
 

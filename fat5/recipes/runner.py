@@ -9,7 +9,7 @@ import json
 import logging
 import sys
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import datasets
@@ -35,10 +35,12 @@ from fat5.files import (
     check_tokenizer_folder,
     pickles_refused,
 )
-from fat5.recipes.arguments import SEQ2SEQ_DEFAULTS, FileFormatArguments, ModelArguments
+from fat5.recipes.arguments import FileFormatArguments, ModelArguments, changed_defaults
 from fat5.recipes.data import load_dataset_splits, read_table, write_predictions
 from fat5.training.finite import check_finite_weights
-from fat5.training.flags import check_trainer_values, parse, parser
+from fat5.training.flags import check_trainer_values, given_flags, parse, parser
+from fat5.training.model_card import ModelCardTrainerMixin, RunCard, command_line
+from fat5.training.quiet import quiet_trainer_run
 from fat5.training.run_folder import (
     TRAINING_SETTINGS,
     RunFolder,
@@ -73,15 +75,16 @@ class RecipeTrainingArguments(TrainingArguments, RunFolderArguments):
     _argument_group_name = "Trainer options (transformers' TrainingArguments)"
 
 
-class RecipeTrainer(RunFolderTrainerMixin, Trainer):
-    """Trainer whose checkpoints are atomic and belong to this run (fat5/training/run_folder.py)."""
+class RecipeTrainer(ModelCardTrainerMixin, RunFolderTrainerMixin, Trainer):
+    """Trainer whose checkpoints are atomic and belong to this run (fat5/training/run_folder.py), and whose pushes
+    carry the run's model card (fat5/training/model_card.py)."""
 
 
 def recipe_dataclasses(recipe):
     """The dataclasses of a recipe's flags, in --help's order, and the Trainer defaults it changes."""
     training_class = RecipeSeq2SeqTrainingArguments if recipe.seq2seq else RecipeTrainingArguments
     return ((ModelArguments, recipe.data_arguments, FileFormatArguments, training_class),
-            SEQ2SEQ_DEFAULTS if recipe.seq2seq else {})
+            changed_defaults(recipe))
 
 
 def recipe_parser(recipe, prog=None, description=None, usage=None):
@@ -247,9 +250,10 @@ def model_line(model, source):
             f"vocabulary {model.config.vocab_size}")
 
 
-class RecipeSeq2SeqTrainer(RunFolderTrainerMixin, Seq2SeqTrainer):
-    """Seq2SeqTrainer with the run folder's checkpoints, whose --generation_max_length holds even when the
-    model's generation config sets max_new_tokens (which generate() would prefer to Seq2SeqTrainer's max_length)."""
+class RecipeSeq2SeqTrainer(ModelCardTrainerMixin, RunFolderTrainerMixin, Seq2SeqTrainer):
+    """Seq2SeqTrainer with the run folder's checkpoints and the run's model card, whose --generation_max_length holds
+    even when the model's generation config sets max_new_tokens (which generate() would prefer to Seq2SeqTrainer's
+    max_length)."""
 
     def evaluate(self, *args, **gen_kwargs):
         return super().evaluate(*args, **self.length_limit(gen_kwargs))
@@ -302,8 +306,8 @@ def one_line_worker_errors():
 
 
 def save(trainer, tokenizer, model_args, training_args):
-    """The model (or LoRA adapter) and tokenizer in --output_dir; with --merge_lora also the merged model in
-    OUTPUT_DIR/merged."""
+    """The model (or LoRA adapter), tokenizer and model card in --output_dir; with --merge_lora also the merged model
+    and its card in OUTPUT_DIR/merged."""
     with write_failures_reported("the final model", training_args.output_dir):
         trainer.save_model()
     if model_args.merge_lora and trainer.is_world_process_zero():
@@ -312,6 +316,29 @@ def save(trainer, tokenizer, model_args, training_args):
             trainer.model.merge_and_unload().save_pretrained(merged_dir)
             tokenizer.save_pretrained(merged_dir)
         logger.info("LoRA merged into %s", merged_dir)
+    write_cards(trainer, model_args)
+
+
+def write_cards(trainer, model_args):
+    """The run's model card in --output_dir (an adapter's with --lora) and, with --merge_lora, in OUTPUT_DIR/merged;
+    written again when an evaluation adds its metrics."""
+    if trainer.card is None or not trainer.is_world_process_zero():
+        return
+    output_dir = trainer.args.output_dir
+    with write_failures_reported("the model card", output_dir):
+        trainer.card.write(output_dir, adapter=model_args.lora)
+        if model_args.merge_lora:
+            replace(trainer.card, model_id=None).write(Path(output_dir) / "merged")
+
+
+def run_card(recipe, model_args, data_args, training_args, classes, tables, command):
+    """What the model card of a training run says (fat5/training/model_card.py)."""
+    return RunCard(command=command, task=recipe.task, base_model=model_args.model_name_or_path,
+                   data={split: f"{table.name} ({len(table)} rows)" for split, table in tables.items()},
+                   pipeline_tag="text-classification" if classes is not None else "text2text-generation",
+                   tags=("lora",) if model_args.lora else (),
+                   datasets=(data_args.dataset_name,) if data_args.dataset_name else (),
+                   model_id=training_args.hub_model_id if training_args.push_to_hub else None)
 
 
 def train(trainer, tokenizer, model_args, training_args, run_folder):
@@ -329,15 +356,21 @@ def train(trainer, tokenizer, model_args, training_args, run_folder):
     run_folder.finish()
 
 
-def finish(trainer, split, metrics):
+def finish(trainer, split, metrics, model_args=None):
+    """Log and save a split's metrics; after training, the model card says them (`model_args`: rewrite it)."""
     trainer.log_metrics(split, metrics)
     with write_failures_reported(f"the {split} metrics", trainer.args.output_dir):
         trainer.save_metrics(split, metrics)
+    if trainer.card is not None:
+        trainer.card.results[split] = {**metrics, "steps": trainer.state.global_step}
+        if model_args is not None:
+            write_cards(trainer, model_args)
 
 
-def fine_tune(recipe, argv=None, progress=None):
+def fine_tune(recipe, argv=None, progress=None, program="python -m fat5.recipes"):
     """Run a recipe with command-line flags `argv`; returns the Trainer. A training run owns its --output_dir
-    for its lifetime (fat5/training/run_folder.py); evaluation and prediction only add their results to it."""
+    for its lifetime (fat5/training/run_folder.py); evaluation and prediction only add their results to it.
+    `program`: how the command was started, for the model card's command line."""
     progress = progress or Progress()
     model_args, data_args, format_args, training_args = parse(recipe_parser(recipe), argv)
     check_trainer_values(training_args)
@@ -367,7 +400,7 @@ def fine_tune(recipe, argv=None, progress=None):
                       f"(evaluate or predict with --model_name_or_path {training_args.output_dir}, without --do_train)")
                 return None
         return train_evaluate_predict(recipe, model_args, data_args, training_args, classes, tables, examples,
-                                      run_folder)
+                                      run_folder, argv, program)
 
 
 def run_inputs(model_args, data_args, training_args, argv):
@@ -409,15 +442,13 @@ def check_resumable_changes(changed, training_args):
                            f"checkpoint (--model_name_or_path {training_args.output_dir}/checkpoint-N)")
 
 
-def train_evaluate_predict(recipe, model_args, data_args, training_args, classes, tables, examples, run_folder):
+def train_evaluate_predict(recipe, model_args, data_args, training_args, classes, tables, examples, run_folder,
+                           argv=None, program="python -m fat5.recipes"):
     resume = run_folder.resume_checkpoint if run_folder else None
     if resume:
         check_model_folder(resume, also=CHECKPOINT_JSON)  # before Trainer reads them
     setup_logging(training_args)
-    if training_args.device.type == "cpu":
-        # Pinned memory only speeds up copies to an accelerator; on the CPU torch ignores it, with a warning for
-        # every data loader.
-        training_args.dataloader_pin_memory = False
+    quiet_trainer_run(training_args, given_flags(argv))
     register_auto_classes()  # the folder loads with this installation's FAT5 classes (transformers 5 prefers them)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, trust_remote_code=True)
     encoded = {split: encode(tokenizer, *examples[split], data_args, classes, tables[split]) for split in tables}
@@ -437,18 +468,26 @@ def train_evaluate_predict(recipe, model_args, data_args, training_args, classes
         model=model, args=training_args, train_dataset=encoded.get("train"), eval_dataset=encoded.get("validation"),
         processing_class=tokenizer, data_collator=collator,
         compute_metrics=text_metrics(tokenizer, classes, recipe.score) if scores else None)
+    if training_args.do_train:
+        trainer.card = run_card(recipe, model_args, data_args, training_args, classes, tables,
+                                command_line(program, argv))
+        trainer.card_is_adapter = model_args.lora
     with one_line_worker_errors(), progress_bars_closed(trainer):
         if training_args.do_train:
             train(trainer, tokenizer, model_args, training_args, run_folder)
         if training_args.do_eval:
-            finish(trainer, "eval", trainer.evaluate())
+            finish(trainer, "eval", trainer.evaluate(), model_args)
         if training_args.do_predict:
             output = trainer.predict(encoded["test"], metric_key_prefix="test")
-            finish(trainer, "test", output.metrics)
+            finish(trainer, "test", output.metrics, model_args)
             if trainer.is_world_process_zero() and (generates or classes is not None):
                 inputs, references = examples["test"]
                 with write_failures_reported("predictions.csv", training_args.output_dir):
                     write_predictions(Path(training_args.output_dir) / "predictions.csv",
                                       {"source": inputs, "reference": references,
                                        "prediction": output_texts(tokenizer, classes, output.predictions)})
+    if training_args.do_train and training_args.push_to_hub and (training_args.do_eval or training_args.do_predict):
+        # The save pushed the model and its card; this push adds the evaluation's metrics to the card, as
+        # transformers' example scripts push once more at their end.
+        trainer.push_to_hub(commit_message="Add the evaluation's metrics to the model card")
     return trainer

@@ -34,7 +34,8 @@ def rouge(predictions, references):
     return {name: 100 * sum(score[name].fmeasure for score in scores) / len(scores) for name in ROUGE_TYPES}
 
 
-RECIPE = Recipe(score=rouge, data_arguments=SummarizationDataArguments, libraries=("rouge_score",))
+RECIPE = Recipe(score=rouge, data_arguments=SummarizationDataArguments, libraries=("rouge_score",),
+                task="summarization")
 main = recipe_main(RECIPE, "summarization", __doc__)
 
 if __name__ == "__main__":

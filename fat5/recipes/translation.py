@@ -18,7 +18,7 @@ def bleu_chrf(predictions, references):
             "chrf": sacrebleu.corpus_chrf(predictions, [references]).score}
 
 
-RECIPE = Recipe(score=bleu_chrf, libraries=("sacrebleu",))
+RECIPE = Recipe(score=bleu_chrf, libraries=("sacrebleu",), task="translation")
 main = recipe_main(RECIPE, "translation", __doc__)
 
 if __name__ == "__main__":

@@ -1,9 +1,8 @@
 """The flags of FAT5's Trainer commands (pretraining, the recipes) and of fat5.recipes.predict, read by transformers'
 `HfArgumentParser`: the command's own dataclasses and, for the Trainer commands, `TrainingArguments`.
 
-`--help` lists the command's own flags: HfArgumentParser over those dataclasses, which imports transformers' argument
-parser but not torch under transformers 5 (about a second; 4.57's `import transformers` imports torch); `--help-all`
-adds the Trainer's. Any other command line is parsed once, by
+`--help` lists the command's own flags, rendered by argparse from those dataclasses without transformers (at once);
+`--help-all` adds the Trainer's, from HfArgumentParser over every flag. Any other command line is parsed once, by
 HfArgumentParser over every flag, once the command has imported transformers' TrainingArguments (and torch: several
 seconds). `check_trainer_values` then refuses, in one line each, the values Trainer would accept and then fail on
 deep in the run or train on silently (a NaN learning rate, no accumulation steps, a batch of 0, ...), before any
@@ -130,6 +129,15 @@ def parse(flags_parser, argv=None):
         raise CommandError(error_line(error)) from None
 
 
+def given_flags(argv=None):
+    """The names of the flags a command line (or its flags file) gives, underscored: what the user asked for, where
+    a command would change a default."""
+    argv = sys.argv[1:] if argv is None else [str(arg) for arg in argv]
+    if len(argv) == 1 and argv[0].endswith(".json"):
+        return set(read_json_object(argv[0], "the flags file "))
+    return {arg[2:].partition("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+
+
 # Trainer values no run can use: the fields, the test each value given (not None) must pass, and what it must be.
 VALUE_RULES = (
     (("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
@@ -171,6 +179,25 @@ def check_trainer_values(training_args):
                            f"card must hold; choose a UTF-8 name") from None
 
 
+def _shown(flag):
+    """How --help shows a dataclass field: its help, choices, default, and whether it takes a value (a bool flag is
+    shown given alone, which HfArgumentParser reads as true) or several (a list)."""
+    shown = {"help": flag.metadata.get("help")}
+    if flag.default is not dataclasses.MISSING:
+        shown["default"] = flag.default
+    elif flag.default_factory is not dataclasses.MISSING:
+        shown["default"] = flag.default_factory()
+    else:
+        shown["required"] = True
+    if flag.type is bool and shown.get("default") is False:
+        return {**shown, "action": "store_true"}
+    if "choices" in flag.metadata:
+        shown["choices"] = flag.metadata["choices"]
+    if str(flag.type).startswith("list"):
+        shown["nargs"] = "+"
+    return shown
+
+
 class CommandFlags:
     """A command's --help and --help-all, answered before its heavy imports (its parse is `parse`, after them).
 
@@ -186,12 +213,20 @@ class CommandFlags:
         self.full_parser, self.trainer, self.notes = full_parser, trainer, notes
 
     def help_parser(self):
+        """An argparse parser that only prints --help: the own dataclasses' flags, rendered here without transformers
+        (HfArgumentParser parses them, once the command has imported it)."""
         notes = list(self.notes)
         if self.trainer:
             notes.append(f"Trainer flags: the flags of transformers' {self.trainer} ({', '.join(COMMON_TRAINER_FLAGS)}"
                          f", ...) work too; --help-all lists them.")
-        help_parser = parser(self.own, prog=self.prog, description=self.description, usage=self.usage,
-                             epilog="\n".join(textwrap.fill(line, 100) for line in notes) or None)
+        help_parser = argparse.ArgumentParser(
+            prog=self.prog, description=self.description, usage=self.usage, formatter_class=HelpFormatter,
+            epilog="\n".join(textwrap.fill(line, 100) for line in notes) or None)
+        for dataclass_type in self.own:
+            group = help_parser.add_argument_group(getattr(dataclass_type, "_argument_group_name", None))
+            for flag in dataclasses.fields(dataclass_type):
+                if flag.init:
+                    group.add_argument(f"--{flag.name}", **_shown(flag))
         if self.full_parser:
             help_parser.add_argument("--help-all", action="store_true",
                                      help="show this help with the Trainer flags too (imports torch: a few seconds)")

@@ -23,6 +23,7 @@ after any number of passes over the corpus.
 
 import sys
 
+from fat5 import cli
 from fat5.cli import exit_with, require, run
 
 from .flags import CommandFlags, RunFolderArguments
@@ -51,7 +52,7 @@ def pretrain(argv, progress):
     from .pretraining import pretrain as run_pretraining
 
     args, training_args = parse_args(argv)
-    run_pretraining(args, training_args, argv, progress)
+    run_pretraining(args, training_args, argv, progress, program=cli.program or PROG)
 
 
 def main(argv=None):

@@ -17,7 +17,8 @@ from fat5.files import CHECKPOINT_JSON, check_model_folder, check_tokenizer_fold
 
 from .data import DenoisingDataset, Documents, add_missing_tokens, sentencepiece_pieces, train_sentencepiece
 from .denoising import MIXTURES, DenoisingMixture, sentinel_token_ids
-from .flags import RunFolderArguments, check_trainer_values, parse, parser
+from .flags import RunFolderArguments, check_trainer_values, given_flags, parse, parser
+from .model_card import RunCard, command_line
 from .models import (
     PRESETS,
     check_checkpoint_shapes,
@@ -30,6 +31,7 @@ from .models import (
 from .optim import AdamWScale
 from .packing import PackedSeq2SeqCollator
 from .pretrain_flags import DEFAULTS, PROG, USAGE, PretrainArguments, defaults_line
+from .quiet import quiet_trainer_run
 from .run_folder import TRAINING_SETTINGS, RunFolder, RunInput, progress_bars_closed, read_record, training_settings
 from .trainer import PretrainTrainer, shard_examples
 
@@ -172,10 +174,11 @@ def worker_errors_as_one_line():
         raise CommandError(text.strip().splitlines()[-1].split(": ", 1)[-1]) from None
 
 
-def pretrain(args, training_args, argv, progress):
+def pretrain(args, training_args, argv, progress, program=PROG):
     """The run of `python -m fat5.training.pretrain ARGV` (fat5/training/pretrain.py parsed its flags into `args`
-    and `training_args`). Every input is checked before anything is written and before the model loads, except what
-    only the corpus can tell (a trained tokenizer, the data after the first example)."""
+    and `training_args`; `program` started it, for the model card). Every input is checked before anything is
+    written and before the model loads, except what only the corpus can tell (a trained tokenizer, the data after
+    the first example)."""
     register_auto_classes()  # a FAT5 folder's tokenizer and config load with this installation's classes
     if training_args.max_steps <= 0:
         raise CommandError("a streamed corpus has no length: pass --max_steps")
@@ -206,7 +209,14 @@ def pretrain(args, training_args, argv, progress):
             with training_args.main_process_first(desc="tokenizer"):  # one process trains it, the others load it
                 tokenizer = trained_tokenizer(args, training_args, documents, prefixes)
             dataset = denoising_dataset(args, training_args, documents, tokenizer)
-        train(args, training_args, tokenizer, dataset, run_folder)
+        card = RunCard(command=command_line(program, argv), task="text2text-generation",
+                       base_model=args.model_name_or_path, data={"train": ", ".join(args.train_files or ())
+                                                                  or f"--dataset_name {args.dataset_name}"},
+                       tags=("pretraining",), how=f"pretrained with the {args.mixture} denoising mixture",
+                       datasets=(args.dataset_name,) if args.dataset_name else (),
+                       model_id=training_args.hub_model_id if training_args.push_to_hub else None)
+        quiet_trainer_run(training_args, given_flags(argv))
+        train(args, training_args, tokenizer, dataset, run_folder, card)
 
 
 def run_inputs(args, training_args, documents):
@@ -279,7 +289,7 @@ def stream_position(run_folder, training_args, dataset):
     return step, counts
 
 
-def train(args, training_args, tokenizer, dataset, run_folder):
+def train(args, training_args, tokenizer, dataset, run_folder, card=None):
     resume = run_folder.resume_checkpoint
     if resume:
         check_model_folder(resume, also=CHECKPOINT_JSON)  # before Trainer reads them
@@ -306,6 +316,7 @@ def train(args, training_args, tokenizer, dataset, run_folder):
                               data_collator=data_collator,
                               optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(args, training_args),
                               stream_start=stream_position(run_folder, training_args, dataset))
+    trainer.card = card
     if training_args.disable_tqdm:
         disable_progress_bar()  # transformers' own bars too (writing checkpoint shards)
     state = run_folder.resume_state()
@@ -318,8 +329,12 @@ def train(args, training_args, tokenizer, dataset, run_folder):
             say(f"{resume} is the run's last step ({state['global_step']}): saving it as the final model")
             trainer.load_without_training(resume)
         else:
-            trainer.train(resume_from_checkpoint=resume)
+            output = trainer.train(resume_from_checkpoint=resume)
+            if card is not None:
+                card.results["train"] = {**output.metrics, "steps": trainer.state.global_step}
     with write_failures_reported("the final model", training_args.output_dir):
         trainer.save_model(training_args.output_dir)
+        if card is not None and trainer.is_world_process_zero():
+            card.write(training_args.output_dir)
     run_folder.finish()
     say(f"saved the model and tokenizer to {training_args.output_dir}")

@@ -5,6 +5,7 @@ import time
 
 from transformers import Trainer, TrainerCallback
 
+from .model_card import ModelCardTrainerMixin
 from .packing import PaddingFractionLoggingMixin
 from .run_folder import RunFolderTrainerMixin
 
@@ -26,7 +27,7 @@ class TrainingClock(TrainerCallback):
         self.trainer.since = time.perf_counter()
 
 
-class PretrainTrainer(PaddingFractionLoggingMixin, RunFolderTrainerMixin, Trainer):
+class PretrainTrainer(ModelCardTrainerMixin, PaddingFractionLoggingMixin, RunFolderTrainerMixin, Trainer):
     """Adds to every training log `tokens_seen` (real encoder plus decoder tokens, padding excluded, this process
     has trained on since training began), `tokens_per_second` (those of the batches trained on since the previous
     log, over the wall time since it: the first interval starts when training begins, data loading always
@@ -34,7 +35,7 @@ class PretrainTrainer(PaddingFractionLoggingMixin, RunFolderTrainerMixin, Traine
     (callbacks never see the batches, and the collator may run in DataLoader workers). Checkpoints are written as
     `RunFolderTrainerMixin` says, and record how many examples of each shard of the stream (one a DataLoader
     worker) the run has trained on: a resume skips exactly those (`stream_start`), whatever batch size or
-    accumulation it continues with."""
+    accumulation it continues with. Its pushes carry the run's model card (`ModelCardTrainerMixin`)."""
 
     def __init__(self, *args, stream_start=None, **kwargs):
         super().__init__(*args, **kwargs)

@@ -5,11 +5,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel, AutoModelForSeq2SeqLM, AutoModelForTokenClassification
 
-import fat5  # noqa: F401  registers the Auto classes
+import fat5
 from conftest import tiny_config
+from fat5 import FAT5ForConditionalGeneration  # a package name's first use registers the Auto classes
 from fat5.configuration_fat5 import FAT5Config
 from fat5.loss_fat5 import seq2seq_lm_loss
-from fat5.modeling_fat5 import FAT5ForConditionalGeneration
 from t5_checkpoints import padded_batch
 
 POSITION_TYPES = ["t5", "rope", "alibi", "fire", "none"]

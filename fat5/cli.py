@@ -299,7 +299,10 @@ def run(command, argv=None, extra=None):
 
     notice = loading_notice()
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = {number: signal.signal(number, on_signal) for number in STOPPED_BY} if in_main_thread else {}
+    # A signal the command was started with ignored stays ignored: a script's background job (`fat5 train ... &`)
+    # inherits SIGINT ignored, so that the terminal's Ctrl-C does not reach it, as Python itself keeps it.
+    previous = {number: signal.signal(number, on_signal) for number in STOPPED_BY
+                if signal.getsignal(number) is not signal.SIG_IGN} if in_main_thread else {}
     previous_unraisable, sys.unraisablehook = sys.unraisablehook, on_unraisable
     previous_excepthook, sys.excepthook = sys.excepthook, on_uncaught
     try:

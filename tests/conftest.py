@@ -5,6 +5,7 @@ tests that only need them as arguments take the `kernel_device` and `tiny_config
 """
 
 import os
+import signal
 
 import pytest
 import torch
@@ -12,6 +13,10 @@ import torch
 # Triton kernels run on CUDA tensors when CUDA is present; without it, on CPU tensors in Triton's interpreter.
 # Every test that runs a kernel puts its tensors (and models) on this device, so the same test checks the GPU
 # code on a CUDA machine and the interpreter elsewhere.
+# The commands the tests interrupt start as from a terminal, with Ctrl-C's default action, however pytest itself was
+# started: a script's background job (`pytest &`) inherits SIGINT ignored, and its children with it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # The interpreter is read when kernels are decorated, so it must be set before any kernel module is imported.
 if KERNEL_DEVICE.type == "cpu":

@@ -191,6 +191,31 @@ console_main()
     assert process.stderr.startswith("interrupted"), process.stderr
 
 
+def test_a_command_started_with_ctrl_c_ignored_keeps_it_ignored():
+    """A script's background job (`fat5 train ... &`) starts with SIGINT ignored, so that the terminal's Ctrl-C
+    does not reach it: the command does not take it back, and runs on (here to its flag check)."""
+    code = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+import fat5.cli
+real_run = fat5.cli.run
+
+def run(command, argv, *args, **kwargs):
+    def interrupted_command(argv, progress):
+        os.kill(os.getpid(), signal.SIGINT)
+        return command(argv, progress)
+    return real_run(interrupted_command, argv, *args, **kwargs)
+
+fat5.cli.run = run
+sys.argv = ["fat5", "train", "--model_name_or_path", "m", "--output_dir", "o", "--do_train"]
+from fat5.commands import console_main
+console_main()
+"""
+    process = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert process.returncode == EXIT_BAD_INPUT, process.stderr[-3000:]
+    assert process.stderr.splitlines() == ["error: --do_train needs train data: pass --train_file"], process.stderr
+
+
 @pytest.mark.parametrize("command", ["train", "translation", "summarization", "classify", "pretrain"])
 def test_help_lists_the_commands_own_flags_and_points_to_the_trainers(command):
     """--help: the command's flags, and one line on the Trainer's; --help-all adds them."""

@@ -117,7 +117,7 @@ def test_a_backward_that_cannot_compile_falls_back_before_the_step(monkeypatch, 
     expected, reference = sdpa_result(states, options, backward=True)
     assert torch.equal(output, expected)
     for leaf, ref in zip(leaves, reference):
-        assert torch.allclose(leaf.grad, ref.grad, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(leaf.grad, ref.grad, rtol=1e-5, atol=1e-5 * ref.grad.abs().max().item())
     (warning,) = warnings_of(caplog)
     assert "CompilationError: out of registers (simulated)" in warning and "forward and backward" in warning
     # Inference needs no backward: that variant still runs the kernel, checked against SDPA.

@@ -306,4 +306,5 @@ def test_a_shared_sdpa_mask_follows_its_key_mask_changed_in_place():
         for _ in range(2):
             mask[1, 2:] = not mask[1, 2]  # the same tensor, padded then not
             expected = eager_attention(query, key, value, key_padding_mask=mask)
-            assert torch.allclose(sdpa_attention(query, key, value, key_padding_mask=mask), expected, atol=1e-6)
+            assert torch.allclose(sdpa_attention(query, key, value, key_padding_mask=mask), expected,
+                                  atol=1e-5 * expected.abs().max().item())

@@ -281,14 +281,22 @@ def triton_attention_forward(query, key, value, *, segments=None, output_attenti
     return padded.view(batch, query_length, heads, head_dim).transpose(1, 2), None
 
 
+# The decode kernel's DECODE_MAX_QUERIES, read from it on first use (it needs triton, which CPU-only installs lack).
+_decode_max_queries = None
+
+
 def is_decode_step(query, key, value, kwargs):
     """Whether the decode kernel computes this Triton call: a few query rows (generation's self- and
     cross-attention steps), no gradient to compute and no attention dropout."""
-    from .kernels.decode_attention_t5 import DECODE_MAX_QUERIES
+    global _decode_max_queries
+    if _decode_max_queries is None:
+        from .kernels.decode_attention_t5 import DECODE_MAX_QUERIES
 
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, kwargs.get("bias_table")))
-    return query.shape[-2] <= DECODE_MAX_QUERIES and not needs_grad and not kwargs.get("dropout_p")
+        _decode_max_queries = DECODE_MAX_QUERIES
+    if query.shape[-2] > _decode_max_queries or kwargs.get("dropout_p"):
+        return False
+    return not (torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, kwargs.get("bias_table"))))
 
 
 def decode_attention_forward(query, key, value, *, dropout_p=0.0, **kwargs):
@@ -463,19 +471,27 @@ ATTENTION_FUNCTIONS = {"eager": eager_attention_forward, "sdpa": sdpa_attention_
                        "triton": triton_attention_forward}
 
 
-@functools.cache
+# Whether triton can be imported, asked once at import: the model's forward reads it, and torch.compile traces a plain
+# global as a constant (an lru_cache-wrapped helper made it warn on every compilation).
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+# The kernel's head dims, read from it on first use (importing the kernel imports triton).
+_triton_head_dims = None
+
+
 def triton_installed():
-    return importlib.util.find_spec("triton") is not None
+    return TRITON_INSTALLED
 
 
-@functools.cache
 def triton_head_dims():
     """The head dims the Triton kernel takes (its own table, read here only where triton is installed)."""
-    if not triton_installed():
-        return ()
-    from .kernels.flash_attention_t5 import HEAD_DIMS
+    global _triton_head_dims
+    if _triton_head_dims is None:
+        if not TRITON_INSTALLED:
+            return ()
+        from .kernels.flash_attention_t5 import HEAD_DIMS
 
-    return HEAD_DIMS
+        _triton_head_dims = HEAD_DIMS
+    return _triton_head_dims
 
 
 def needs_dense_bias(config):
@@ -530,5 +546,10 @@ def attention_function(config, query, *, needs_dense_bias, output_attentions=Fal
     if output_attentions:
         backend = _backend_with_weights(config)  # only the eager reference materialises the probabilities
     if backend == "triton":
-        return functools.partial(guarded_triton_attention_forward, fallback=config.attention_backend == "auto")
+        return _GUARDED_KERNEL[config.attention_backend == "auto"]
     return ATTENTION_FUNCTIONS[backend]
+
+
+# The guarded kernel of "auto" (falling back to SDPA) and of "triton" (raising), built once.
+_GUARDED_KERNEL = {fallback: functools.partial(guarded_triton_attention_forward, fallback=fallback)
+                   for fallback in (True, False)}

@@ -67,10 +67,15 @@ def decode_grid(batch, heads, key_length, block_n, sm_count, num_splits=None):
     """(grid, keys per chunk) of one decode call: grid = (batch * heads, chunks), every chunk whole key tiles.
     Chunks are added until about PROGRAMS_PER_SM * sm_count programs run, at most one per key tile; `num_splits`
     asks for that many chunks instead (at most one per tile)."""
-    tiles = max(triton.cdiv(key_length, block_n), 1)
-    wanted = num_splits or triton.cdiv(PROGRAMS_PER_SM * sm_count, batch * heads)
-    tiles_per_chunk = triton.cdiv(tiles, min(max(wanted, 1), tiles))
-    return (batch * heads, triton.cdiv(tiles, tiles_per_chunk)), tiles_per_chunk * block_n
+    tiles = max(_cdiv(key_length, block_n), 1)
+    wanted = num_splits or _cdiv(PROGRAMS_PER_SM * sm_count, batch * heads)
+    tiles_per_chunk = _cdiv(tiles, min(max(wanted, 1), tiles))
+    return (batch * heads, _cdiv(tiles, tiles_per_chunk)), tiles_per_chunk * block_n
+
+
+def _cdiv(numerator, denominator):
+    """triton.cdiv without its constexpr wrapper (a few microseconds a call on the host)."""
+    return -(-numerator // denominator)
 
 
 @triton.jit
@@ -193,15 +198,32 @@ def _new(shape, like, dtype=None):
     return torch.empty(shape, dtype=dtype, device=like.device)
 
 
-@torch.library.custom_op("fat5::decode_attention", mutates_args=())
+# One-element tensors passed where a kernel takes a pointer it does not read (no bias table, no key mask, no tensor
+# offset, no partials), one per (device, dtype) instead of a new one each call. Never written, never returned.
+_PLACEHOLDERS = {}
+
+
+def _placeholder(device, dtype=torch.float32):
+    key = (device, dtype)
+    tensor = _PLACEHOLDERS.get(key)
+    if tensor is None:
+        with torch.inference_mode(False):
+            tensor = torch.zeros(1, dtype=dtype, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # not a graph's memory
+            _PLACEHOLDERS[key] = tensor
+    return tensor
+
+
 def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias_lut: Optional[torch.Tensor],
                       alibi_slopes: Optional[torch.Tensor], key_mask: Optional[torch.Tensor],
                       q_offset_tensor: Optional[torch.Tensor], q_offset: int, causal: bool, scale: float,
                       num_splits: int) -> torch.Tensor:
+    """The decode kernels' launch: the body of the custom op `_decode_attention_op`, which eager calls run directly
+    (the op has no autograd and nothing to record; its dispatch costs about as much host time as this body)."""
     batch, heads, seqlen_q, head_dim = query.shape
     seqlen_k = key.shape[2]
     out = _new(query.shape, query)
-    placeholder = query.new_empty(1, dtype=torch.float32)
+    placeholder = _placeholder(query.device)
     bias_type, max_dist = BIAS_NONE, 1
     if bias_lut is not None:
         bias_type, max_dist = BIAS_LUT, (bias_lut.shape[1] - 1) // 2
@@ -211,9 +233,12 @@ def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     block_n, warps, stages = _blocks(head_dim, query.dtype, query.device)
     grid, chunk = decode_grid(batch, heads, seqlen_k, block_n, _sm_count(query.device), num_splits or None)
     split = grid[1] > 1
-    part_shape = (batch * heads, grid[1], seqlen_q) if split else (1,)
-    part_max, part_sum = _new(part_shape, query, torch.float32), _new(part_shape, query, torch.float32)
-    part_acc = _new((*part_shape, head_dim) if split else (1,), query, torch.float32)
+    if split:
+        part_shape = (batch * heads, grid[1], seqlen_q)
+        part_max, part_sum = _new(part_shape, query, torch.float32), _new(part_shape, query, torch.float32)
+        part_acc = _new((*part_shape, head_dim), query, torch.float32)
+    else:  # one chunk writes the output itself
+        part_max = part_sum = part_acc = placeholder
     _decode_chunk_kernel[grid](
         query, key, value, out, part_max, part_sum, part_acc, lut,
         alibi_slopes if alibi_slopes is not None else placeholder,
@@ -232,17 +257,42 @@ def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out
 
 
-@_decode_attention.register_fake
+_decode_attention_op = torch.library.custom_op("fat5::decode_attention", _decode_attention, mutates_args=())
+
+
+@_decode_attention_op.register_fake
 def _(query, key, value, bias_lut, alibi_slopes, key_mask, q_offset_tensor, q_offset, causal, scale, num_splits):
     return query.new_empty(query.shape)
 
 
+def _lut_index(heads, bidirectional, num_buckets, max_distance, device):
+    """(H, 2 * max_distance + 1) index into the flattened (num_buckets, H) table: entry (h, r) is bucket(r) * H + h,
+    the bucket of relative position r - max_distance by the exact torch bucketing."""
+    relative = torch.arange(-max_distance, max_distance + 1, device=device)
+    buckets = relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
+    return buckets[None, :] * heads + torch.arange(heads, device=device)[:, None]
+
+
+# _lut_index of each (H, bidirectional, num_buckets, max_distance, device), built once in eager mode.
+_LUT_INDICES = {}
+
+
 def relative_bias_lut(bias_table, bidirectional, num_buckets, max_distance):
     """(H, 2 * max_distance + 1) bias per clamped relative position -max_distance..max_distance, gathered from the
-    (num_buckets, H) T5 weight with the exact torch bucketing (the training kernel's table)."""
-    relative = torch.arange(-max_distance, max_distance + 1, device=bias_table.device)
-    buckets = relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
-    return bias_table[buckets].t().float().contiguous()
+    (num_buckets, H) T5 weight with the exact torch bucketing (the training kernel's table): one gather, its index
+    built once per device and shape (inline where torch.compile traces or a CUDA graph captures)."""
+    key = (bias_table.shape[1], bool(bidirectional), num_buckets, max_distance, bias_table.device)
+    if torch.compiler.is_compiling():
+        index = _lut_index(*key)
+    else:
+        index = _LUT_INDICES.get(key)
+        if index is None:
+            with torch.inference_mode(False):
+                index = _lut_index(*key)
+            if not (bias_table.is_cuda and torch.cuda.is_current_stream_capturing()):  # not a graph's memory
+                _LUT_INDICES[key] = index
+    lut = bias_table.reshape(-1)[index]
+    return lut if lut.dtype == torch.float32 else lut.float()
 
 
 def _checked_offset(q_offset, device):
@@ -253,7 +303,7 @@ def _checked_offset(q_offset, device):
             or q_offset.device != device:
         raise ValueError(f"q_offset must be an int or a one-element integer tensor on {device}, got a "
                          f"{tuple(q_offset.shape)} {q_offset.dtype} tensor on {q_offset.device}")
-    return q_offset.reshape(1), 0
+    return q_offset, 0  # the kernel reads its one element, whatever its shape
 
 
 def decode_attention_t5(query, key, value, *, bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
@@ -303,9 +353,14 @@ def decode_attention_t5(query, key, value, *, bias_table=None, bidirectional=Tru
         key_mask = key_padding_mask.to(torch.bool)
         key_mask = (key_mask if key_mask.stride(-1) == 1 else key_mask.contiguous()).view(torch.uint8)
     offset_tensor, offset = _checked_offset(q_offset, query.device)
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    return _decode_attention(query, key, value, bias_lut, alibi_slopes, key_mask, offset_tensor, offset,
-                             bool(causal), float(scale), int(num_splits or 0))
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    # Traced (torch.compile, torch.export) or given tensor subclasses (fake, meta), the op; run eagerly, its body.
+    eager = not (torch.compiler.is_compiling() or query.is_meta) and type(query) is type(key) is type(value) \
+        is torch.Tensor
+    return (_decode_attention if eager else _decode_attention_op)(
+        query, key, value, bias_lut, alibi_slopes, key_mask, offset_tensor, offset, bool(causal), float(scale),
+        int(num_splits or 0))
 
 
 __all__ = ["DECODE_MAX_QUERIES", "decode_attention_t5", "decode_grid"]

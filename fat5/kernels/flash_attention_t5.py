@@ -127,12 +127,44 @@ def chip_tiles(capability, kernel, head_dim, dropout=False):
     return TILES[max(known)][kernel + (" dropout" if dropout else "")][column]
 
 
+# (major, minor) compute capability of each CUDA device, asked once (the query costs microseconds on every call).
+_CAPABILITIES = {}
+
+
+def _capability(device):
+    capability = _CAPABILITIES.get(device)
+    if capability is None:
+        capability = _CAPABILITIES[device] = torch.cuda.get_device_capability(device)
+    return capability
+
+
 def _blocks(head_dim, kernel, device, dropout=False):
     """The tiles of `kernel` on `device`: small ones in the CPU interpreter, the chip's (chip_tiles) on a GPU."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return 16, 16, 1, 1
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = _capability(device)
     return chip_tiles(major * 10 + minor, kernel, head_dim, dropout)
+
+
+def _cdiv(numerator, denominator):
+    """triton.cdiv without its constexpr wrapper (a few microseconds a call on the host)."""
+    return -(-numerator // denominator)
+
+
+# One-element tensors passed where a kernel takes a pointer it does not read (no bias table, no key mask, not packed,
+# no dropout), one per (device, dtype) instead of a new one each call. Never written, never handed to the caller.
+_PLACEHOLDERS = {}
+
+
+def _placeholder(device, dtype):
+    key = (device, dtype)
+    tensor = _PLACEHOLDERS.get(key)
+    if tensor is None:
+        with torch.inference_mode(False):
+            tensor = torch.zeros(2, dtype=dtype, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # not a graph's memory
+            _PLACEHOLDERS[key] = tensor
+    return tensor
 
 
 # Key tiles (forward, dQ) or query tiles (dK/dV) by where they lie relative to the +-max_distance band. Each kind
@@ -741,7 +773,7 @@ def _lse_strides(lse, varlen):
 
 
 def _bias_args(bias_lut, alibi_slopes, query):
-    placeholder = query.new_empty(1, dtype=torch.float32)
+    placeholder = _placeholder(query.device, torch.float32)
     if bias_lut is not None:
         return BIAS_LUT, bias_lut, placeholder, bias_lut.stride(0), (bias_lut.shape[1] - 1) // 2
     if alibi_slopes is not None:
@@ -752,7 +784,7 @@ def _bias_args(bias_lut, alibi_slopes, query):
 def _dropout_args(dropout_p, dropout_seed, query):
     """(seed tensor, 16-bit threshold, 1 / (1 - p), DROPOUT) for the kernels; p = 0 compiles the dropout out."""
     if dropout_p == 0.0:
-        return query.new_empty(2, dtype=torch.int64), 0, 1.0, False
+        return _placeholder(query.device, torch.int64), 0, 1.0, False
     threshold = min(round(dropout_p * 2**DROPOUT_BITS), 2**DROPOUT_BITS - 1)
     return dropout_seed, threshold, 1.0 / (1.0 - dropout_p), True
 
@@ -768,12 +800,12 @@ def _flash_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     out = _new_output(query.shape, query)
     lse = _new_output(_lse_shape(query, varlen), query, torch.float32)
     bias_type, lut, slopes, stride_lut_h, max_dist = _bias_args(bias_lut, alibi_slopes, query)
-    mask = key_mask if key_mask is not None else query.new_empty(1, dtype=torch.float32)
-    cu_q = cu_seqlens_q if varlen else query.new_empty(1, dtype=torch.int32)
+    mask = key_mask if key_mask is not None else _placeholder(query.device, torch.float32)
+    cu_q = cu_seqlens_q if varlen else _placeholder(query.device, torch.int32)
     cu_k = cu_seqlens_k if varlen else cu_q
     seed, threshold, dropout_scale, dropout = _dropout_args(dropout_p, dropout_seed, query)
     block_m, block_n, warps, stages = _blocks(query.shape[-1], "forward", query.device)
-    grid = (batch * heads, triton.cdiv(seqlen_q, block_m))
+    grid = (batch * heads, _cdiv(seqlen_q, block_m))
     _forward_kernel[grid](
         query, key, value, out, lse, lut, slopes, mask, cu_q, cu_k, seed,
         *_layout(query, varlen), *_layout(key, varlen), *_layout(value, varlen), *_layout(out, varlen),
@@ -805,12 +837,12 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     varlen, batch, heads, seqlen_q, seqlen_k = _geometry(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     # The gradient of a sum() arrives expanded, with stride 0 along the head dim.
-    (grad_out,) = _last_dim_contiguous(grad_out)
+    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
     dq, dk, dv = _new_output(query.shape, query), _new_output(key.shape, key), _new_output(value.shape, value)
     bias_type, lut, slopes, stride_lut_h, max_dist = _bias_args(bias_lut, alibi_slopes, query)
     dlut = torch.zeros_like(bias_lut) if bias_lut is not None else query.new_zeros(1, dtype=torch.float32)
-    mask = key_mask if key_mask is not None else query.new_empty(1, dtype=torch.float32)
-    cu_q = cu_seqlens_q if varlen else query.new_empty(1, dtype=torch.int32)
+    mask = key_mask if key_mask is not None else _placeholder(query.device, torch.float32)
+    cu_q = cu_seqlens_q if varlen else _placeholder(query.device, torch.int32)
     cu_k = cu_seqlens_k if varlen else cu_q
     seed, threshold, dropout_scale, dropout = _dropout_args(dropout_p, dropout_seed, query)
     common = dict(MAX_DIST=max_dist, BIAS_TYPE=bias_type, CAUSAL=causal, HAS_KMASK=key_mask is not None,
@@ -818,19 +850,19 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                   DROPOUT=dropout)
     block_m, block_n, warps, stages = _blocks(query.shape[-1], "dkdv", query.device, dropout)
     delta = _new_output(lse.shape, lse)
-    _backward_delta_kernel[(batch * heads, triton.cdiv(seqlen_q, block_m))](
+    _backward_delta_kernel[(batch * heads, _cdiv(seqlen_q, block_m))](
         out, grad_out, delta, cu_q, *_layout(out, varlen), *_layout(grad_out, varlen), *_lse_strides(lse, varlen),
         heads, seqlen_q, IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], BLOCK_M=block_m, num_warps=warps)
     strides = (*_layout(query, varlen), *_layout(key, varlen), *_layout(value, varlen),
                *_layout(grad_out, varlen))
     scalars = (*_lse_strides(lse, varlen), stride_lut_h, mask.stride(0), heads, seqlen_q, seqlen_k, q_offset,
                scale * LOG2E, scale, threshold, dropout_scale)
-    _backward_dkdv_kernel[(batch * heads, triton.cdiv(seqlen_k, block_n))](
+    _backward_dkdv_kernel[(batch * heads, _cdiv(seqlen_k, block_n))](
         query, key, value, grad_out, lse, delta, dk, dv, lut, slopes, mask, cu_q, cu_k, seed,
         *strides, *_layout(dk, varlen), *_layout(dv, varlen), *scalars,
         **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     block_m, block_n, warps, stages = _blocks(query.shape[-1], "dq", query.device, dropout)
-    _backward_dq_kernel[(batch * heads, triton.cdiv(seqlen_q, block_m))](
+    _backward_dq_kernel[(batch * heads, _cdiv(seqlen_q, block_m))](
         query, key, value, grad_out, lse, delta, dq, dlut, lut, slopes, mask, cu_q, cu_k, seed,
         *strides, *_layout(dq, varlen), *scalars,
         **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
@@ -864,13 +896,38 @@ def _backward(ctx, grad_out, grad_lse):
 _flash_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _lut_index(heads, bidirectional, num_buckets, max_distance, device):
+    """(H, 2 * max_distance + 1) index into the flattened (num_buckets, H) table: entry (h, r) is bucket(r) * H + h,
+    the bucket of relative position r - max_distance by the exact torch bucketing."""
+    relative = torch.arange(-max_distance, max_distance + 1, device=device)
+    buckets = relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
+    return buckets[None, :] * heads + torch.arange(heads, device=device)[:, None]
+
+
+# _lut_index of each (H, bidirectional, num_buckets, max_distance, device), built once in eager mode: the bucketing is
+# about 15 ops, the same every call. Made outside inference mode, so that a lookup table built under autograd can
+# save it for its backward.
+_LUT_INDICES = {}
+
+
 def relative_bias_lut(bias_table, bidirectional, num_buckets, max_distance):
     """(H, 2 * max_distance + 1) bias per clamped relative position -max_distance..max_distance, gathered
     (differentiably) from the (num_buckets, H) T5 weight with the exact torch bucketing. The layers of a stack that
-    share one table can share its table too (`bias_lut=` of `flash_attention_t5`): their gradients add up in it."""
-    relative = torch.arange(-max_distance, max_distance + 1, device=bias_table.device)
-    buckets = relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
-    return bias_table[buckets].t().float().contiguous()
+    share one table can share its table too (`bias_lut=` of `flash_attention_t5`): their gradients add up in it.
+    One gather (and a cast to float32 for a half-precision table): the index is built once per device and shape,
+    inline where torch.compile traces (it folds the constant) or a CUDA graph captures."""
+    key = (bias_table.shape[1], bool(bidirectional), num_buckets, max_distance, bias_table.device)
+    if torch.compiler.is_compiling():
+        index = _lut_index(*key)
+    else:
+        index = _LUT_INDICES.get(key)
+        if index is None:
+            with torch.inference_mode(False):
+                index = _lut_index(*key)
+            if not (bias_table.is_cuda and torch.cuda.is_current_stream_capturing()):  # not a graph's memory
+                _LUT_INDICES[key] = index
+    lut = bias_table.reshape(-1)[index]
+    return lut if lut.dtype == torch.float32 else lut.float()
 
 
 def additive_key_mask(key_padding_mask):
@@ -897,8 +954,8 @@ def _check(query, key, value, head_dim_axis=-1):
                                                                             torch.bfloat16):
         raise ValueError(f"query, key and value must share one of float32/float16/bfloat16, got {query.dtype}, "
                          f"{key.dtype}, {value.dtype}")
-    if query.dtype == torch.bfloat16 and query.is_cuda and torch.cuda.get_device_capability(query.device) < (8, 0):
-        major, minor = torch.cuda.get_device_capability(query.device)
+    if query.dtype == torch.bfloat16 and query.is_cuda and _capability(query.device) < (8, 0):
+        major, minor = _capability(query.device)
         raise UnsupportedChip(f"{torch.cuda.get_device_name(query.device)} (sm_{major}{minor}) has no bfloat16: the "
                               "kernel takes float16 or float32 there")
 
@@ -928,8 +985,11 @@ def _dropout_inputs(dropout_p, dropout_seed, device):
     return dropout_p, dropout_seed.contiguous()  # the kernels read the key at SEED and the stream at SEED + 1
 
 
-def _last_dim_contiguous(*tensors):
-    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+def _last_dim_contiguous(query, key, value):
+    """The kernels read rows with unit stride: anything else is copied (the others are passed as they are)."""
+    if query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1:
+        return query, key, value
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
 
 
 def _position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_slopes, heads, bias_lut):

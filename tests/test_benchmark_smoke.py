@@ -372,3 +372,49 @@ def test_gpu_suite_goals_from_rows():
     assert gpu_suite.tests_goal("tests", tests) == dict(goal="tests", figure="1 passed, 1 failed (y[bf16])",
                                                         status="MISSED")
     assert gpu_suite.tests_goal("tests", tests[2:])["status"] == "not measured"
+
+
+def test_sdpa_peers_get_the_dense_bias_contiguous(monkeypatch):
+    """The fused SDPA backends refuse a mask whose last stride is not 1 ("No available kernel" on the H100): every
+    SDPA peer gets T5's bias contiguous, built inside the timed call, equal to the gathered bias (and -inf above
+    the diagonal when causal)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    sys.path.insert(0, str(BENCHMARKS))
+    import attention
+
+    seen = []
+
+    def spy(q, k, v, attn_mask=None, **options):
+        seen.append(attn_mask)
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    table = torch.randn(attention.NUM_BUCKETS, 3)
+    q = torch.randn(2, 3, 20, 8)
+    for name in ("sdpa_dense_bias", "sdpa_efficient_bias", "sdpa_cudnn_bias"):
+        for causal in (False, True):
+            seen.clear()
+            try:
+                attention.run(name, q, q, q, table, causal)
+            except RuntimeError:  # a backend this build lacks: the mask was still built and passed
+                pass
+            (mask,) = seen
+            assert mask.is_contiguous() and mask.stride(-1) == 1 and mask.shape == (1, 3, 20, 20)
+            expected = attention.causal_mask_bias(attention.dense_bias(table, 20, causal), causal)
+            assert torch.equal(mask, expected)
+
+
+def test_time_calls_reports_throughput_and_latency():
+    """common.time_calls: both timings of every call, the throughput over `calls` back-to-back calls; a call slower
+    than half the time allowed is not repeated (its throughput is its latency)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import common
+
+    calls = []
+    timing = common.time_calls(lambda: calls.append(time.sleep(0.002)), reps=5, warmup=2, seconds=0.0)
+    assert timing["calls"] == 5 and len(calls) == 2 + 5 + 2 + 5  # warm-up, latency, busy, throughput
+    assert timing["ms"] >= 2 and timing["latency_ms"] >= 2 and timing["host_ms"] >= 2
+    calls.clear()
+    slow = common.time_calls(lambda: calls.append(time.sleep(0.03)), reps=5, warmup=1, seconds=0.05)
+    assert slow["calls"] == 0 and slow["ms"] == slow["latency_ms"] >= 30 and slow["host_ms"] is None
+    assert common.time_ms(lambda: time.sleep(0.002), reps=3, warmup=1) >= 2

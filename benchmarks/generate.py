@@ -356,6 +356,8 @@ def parse_args():
     if unknown:
         parser.error(f"unknown --impl or --caches {unknown}; implementations: fat5, "
                      f"{', '.join(common.T5_ATTENTION)}, {', '.join(CT2)}; caches: {', '.join(CACHES)}")
+    if args.profile and "static+compile" in args.caches:
+        parser.error("--profile profiles eager generation: --caches dynamic and/or static")
     if "fat5" in args.impl:
         args.impl.remove("fat5")
         args.impl.insert(0, "fat5")  # first, so the others can be compared with its tokens

@@ -18,18 +18,26 @@ Implementations (all use FAT5's `relative_position_bucket`, so they compute the 
 The bias table requires grad in every implementation (T5 learns it), so the peers' backward reaches it too.
 With --dropout P every implementation drops attention probabilities with probability P (FlexAttention has no
 dropout: its rows say so); each output is compared with FAT5's at P = 0, since the masks differ, in a first call
-that also compiles. FLOPs: forward 4·B·H·L²·D (half of it when causal); forward+backward counts 3.5× the forward.
-Every row is written to the JSON lines in --out the moment it is measured.
+that also compiles. The SDPA peers get the dense bias contiguous (the fused backends need a unit last stride),
+built inside the timed call as transformers builds it; a backend that refuses says why in its row. Their
+forward+backward stops at --dense-backward-max-length (the bias table's gradient, a scatter of L² values into 32
+buckets, takes about 10 s a call at L = 8192 on an H100 whatever the backend).
+Each row has two timings: ms, the throughput of calls enqueued back to back with the GPU kept busy (what a
+training step sees, its host running ahead; TFLOP/s come from it), and latency_ms, one call alone, host launch
+work included (what a generation step sees); host_ms is the host's share of a call.
+FLOPs: forward 4·B·H·L²·D (half of it when causal); forward+backward counts 3.5× the forward. Every row is written
+to the JSON lines in --out the moment it is measured.
 --decode times one generation step instead (fat5: the decode kernel that generation runs, with the position
 q_offset = Lk - 1 as a device tensor, as a static cache gives it; sdpa_dense_bias with the bias row transformers
 builds; sdpa_nobias as the bar to reach; on request fat5_training, the training kernel's one 128-row tile per
-(batch, head) that decode steps ran before the decode kernel), in microseconds, batch 1 and 32, Lk = 512...8192.
->>>>>>> decode
+(batch, head) that decode steps ran before the decode kernel), in microseconds, batch 1 and 32, Lk = 512...8192,
+both timings (throughput / latency).
 """
 
 import contextlib
 import os
 import sys
+import warnings
 
 import torch
 
@@ -69,6 +77,12 @@ def dense_bias(table, length, causal):
     return table[buckets].permute(2, 0, 1).unsqueeze(0)
 
 
+def sdpa_mask(table, length, causal, dtype):
+    """The (1, H, L, L) additive mask the SDPA peers get: T5's bias (and -inf above the diagonal when causal), in
+    `dtype`, contiguous: the gather leaves heads last (a last stride of H), which every fused backend refuses."""
+    return causal_mask_bias(dense_bias(table, length, causal), causal).to(dtype).contiguous()
+
+
 def causal_mask_bias(bias, causal):
     if not causal:
         return bias
@@ -88,7 +102,7 @@ def run(name, q, k, v, table, causal, dropout_p=0.0):
                                   max_distance=MAX_DISTANCE, causal=causal,
                                   dropout_p=dropout_p if name == "fat5" else 0.0)
     if name in SDPA_BACKENDS:
-        mask = causal_mask_bias(dense_bias(table, q.shape[2], causal), causal).to(q.dtype)
+        mask = sdpa_mask(table, q.shape[2], causal, q.dtype)
         backend = SDPA_BACKENDS[name]
         with sdpa_kernel(backend) if backend else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, dropout_p=dropout_p)
@@ -141,10 +155,11 @@ def decode(args, stamp, rows):
     dtype = getattr(torch, args.dtype)
     names = [n for n in args.impl if n in DECODE_IMPLEMENTATIONS]
     lines = [f"### decode step, {device_name()}, {stamp}", "",
-                       f"torch {torch.__version__}, triton {triton.__version__}; H={args.heads}, D={args.head_dim}, "
-                       f"{args.dtype}, one new query against Lk cached keys; microseconds (median).", "",
-                       "| batch | Lk | " + " | ".join(names) + " | fat5 / sdpa_nobias time |",
-                       "|" + " --- |" * (len(names) + 3)]
+             f"torch {torch.__version__}, triton {triton.__version__}; H={args.heads}, D={args.head_dim}, "
+             f"{args.dtype}, one new query against Lk cached keys; microseconds: throughput (calls back to back) / "
+             "latency (one call alone, host launch included; median).", "",
+             "| batch | Lk | " + " | ".join(names) + " | fat5 / sdpa_nobias time |",
+             "|" + " --- |" * (len(names) + 3)]
     for batch in args.decode_batches:
         for key_length in args.decode_lengths:
             generator = torch.Generator(device=device).manual_seed(0)
@@ -158,20 +173,25 @@ def decode(args, stamp, rows):
                 cells, times = [], {}
                 for name in names:
                     row = dict(implementation=name, L=key_length, batch=batch, causal=True, **{"pass": "decode"},
-                               tflops=None, ms=None, peak_mib=None, status="ok")
+                               tflops=None, ms=None, latency_ms=None, host_ms=None, peak_mib=None, status="ok")
                     try:
                         difference = (decode_step(name, q, k, v, table, position).float() - ours).abs().max().item()
                         if name != "sdpa_nobias" and difference > (5e-2 if args.dtype != "float32" else 1e-3):
                             row["status"] = f"mismatch: max|out - fat5| = {difference:.3g}"
-                        row["ms"] = common.time_ms(lambda: decode_step(name, q, k, v, table, position), args.reps,
+                        timing = common.time_calls(lambda: decode_step(name, q, k, v, table, position), args.reps,
                                                    args.warmup, args.max_seconds)
-                        times[name] = row["ms"]
+                        row.update(ms=timing["ms"], latency_ms=timing["latency_ms"], host_ms=timing["host_ms"])
+                        times[name] = row["ms"], row["latency_ms"]
                     except Exception as error:  # out of memory, or a backend missing here: a row, not a crash
                         row["status"] = common.error_status(error)
-                    cells.append(f"{row['ms'] * 1e3:.1f}" if row["ms"] is not None else row["status"].split(":")[0])
+                    cells.append(f"{row['ms'] * 1e3:.1f} / {row['latency_ms'] * 1e3:.1f}" if row["ms"] is not None
+                                 else row["status"].split(":")[0])
                     rows.append(row)
-                    print(f"  decode batch={batch} Lk={key_length} {name:16s} {cells[-1]} us {row['status']}")
-            ratio = f"{times['fat5'] / times['sdpa_nobias']:.2f}" if {"fat5", "sdpa_nobias"} <= set(times) else "-"
+                    print(f"  decode batch={batch} Lk={key_length} {name:16s} {cells[-1]} us {row['status']}",
+                          flush=True)
+            ratio = "-"
+            if {"fat5", "sdpa_nobias"} <= set(times):
+                ratio = " / ".join(f"{ours / theirs:.2f}" for ours, theirs in zip(times["fat5"], times["sdpa_nobias"]))
             lines.append(f"| {batch} | {key_length} | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(lines) + "\n"
 
@@ -188,20 +208,32 @@ def attention_inputs(batch, length, args):
     return q, k, v, table, torch.randn(shape, device=device, dtype=dtype, generator=generator)
 
 
+def refusal(error, caught):
+    """A row's status for `error`, with the reasons SDPA gave (its warnings) when no backend would run."""
+    status = common.error_status(error)
+    reasons = [str(warning.message).split(" (Triggered internally")[0] for warning in caught]
+    reasons = [reason for reason in dict.fromkeys(reasons) if "not used because" not in reason]
+    if "No available kernel" in status and reasons:
+        status = f"{status} ({'; '.join(reasons)})"[:600]
+    return status
+
+
 def measure(name, tensors, expected, args, causal, rows):
-    """Append to `rows` one row per pass (fwd, fwd+bwd) of implementation `name`: status, ms, TFLOP/s and peak
-    memory above the inputs. A first call compares its output with FAT5's (`expected`, at dropout 0) so that a
-    fast wrong kernel cannot win; it also compiles what compiles."""
+    """Append to `rows` one row per pass (fwd, fwd+bwd) of implementation `name`: status, ms (throughput), latency_ms,
+    host_ms, TFLOP/s (from ms) and peak memory above the inputs. A first call compares its output with FAT5's
+    (`expected`, at dropout 0) so that a fast wrong kernel cannot win; it also compiles what compiles."""
     q, k, v, table, grad = tensors
     batch, heads, length, head_dim = q.shape
     flops = 4 * batch * heads * length * length * head_dim * (0.5 if causal else 1.0)
     status = "ok"
     try:
-        difference = (run(name, q, k, v, table, causal).detach().float() - expected).abs().max().item()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            difference = (run(name, q, k, v, table, causal).detach().float() - expected).abs().max().item()
         if name not in NOT_PEERS and difference > (5e-2 if args.dtype != "float32" else 1e-3):
             status = f"mismatch: max|out - fat5| = {difference:.3g}"
     except Exception as error:  # a peer out of memory or failing at one size is recorded, and the run goes on
-        status = common.error_status(error)
+        status = refusal(error, caught)
     for pass_name in ("fwd", "fwd+bwd"):
         def step():
             out = run(name, q, k, v, table, causal, args.dropout)
@@ -210,12 +242,15 @@ def measure(name, tensors, expected, args, causal, rows):
             return out
 
         row = dict(implementation=name, L=length, batch=batch, causal=causal, **{"pass": pass_name},
-                   tflops=None, ms=None, peak_mib=None, status=status)
-        if not status.startswith(("error", "oom")):
+                   tflops=None, ms=None, latency_ms=None, host_ms=None, peak_mib=None, status=status)
+        if pass_name == "fwd+bwd" and name in SDPA_BACKENDS and length > args.dense_backward_max_length:
+            row["status"] = f"skipped: L > --dense-backward-max-length {args.dense_backward_max_length}"
+        if not row["status"].startswith(("error", "oom", "skipped")):
             try:
                 with common.peak_memory() as peak:
-                    ms = common.time_ms(step, args.reps, args.warmup, args.max_seconds)
-                row.update(ms=ms, tflops=flops * (3.5 if pass_name == "fwd+bwd" else 1) / ms / 1e9,
+                    timing = common.time_calls(step, args.reps, args.warmup, args.max_seconds)
+                row.update(ms=timing["ms"], latency_ms=timing["latency_ms"], host_ms=timing["host_ms"],
+                           tflops=flops * (3.5 if pass_name == "fwd+bwd" else 1) / timing["ms"] / 1e9,
                            peak_mib=peak["mib"] if q.is_cuda else None)
             except Exception as error:
                 row["status"] = common.error_status(error)
@@ -223,7 +258,8 @@ def measure(name, tensors, expected, args, causal, rows):
             tensor.grad = None
         common.release_memory()
         rows.append(row)
-        speed = f"{row['tflops']:.3g} TFLOP/s {row['ms']:.3g} ms" if row["ms"] is not None else ""
+        speed = f"{row['tflops']:.3g} TFLOP/s {row['ms']:.3g} ms (latency {row['latency_ms']:.3g} ms)" \
+            if row["ms"] is not None else ""
         peak = f"peak {row['peak_mib']} MiB" if row["peak_mib"] is not None else ""
         print(f"  {name:20s} {pass_name:8s} {speed} {peak} {row['status']}", flush=True)
 
@@ -232,14 +268,22 @@ def device_name():
     return common.device_name() + ("" if torch.cuda.is_available() else " (interpreter)")
 
 
+def cell(row):
+    """A timed row's table cell: TFLOP/s (throughput ms, latency ms, peak MiB); `*`: its output differs."""
+    peak = f", {row['peak_mib']} MiB" if row["peak_mib"] is not None else ""
+    latency = f" / {row['latency_ms']:.3g}" if row.get("latency_ms") is not None else ""
+    mark = "*" if row["status"] != "ok" else ""  # timed, but its output differs from FAT5's
+    return f"{row['tflops']:.3g}{mark} ({row['ms']:.3g}{latency} ms{peak})"
+
+
 def markdown(rows, args, stamp):
     lines = [f"### {device_name()}, {stamp}",
              "",
              f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}; "
              f"H={args.heads}, D={args.head_dim}, {args.dtype}, {args.tokens} tokens a batch"
              + (f", attention dropout {args.dropout:g} (fat5_nodropout: none)" if args.dropout else "") + ". "
-             "TFLOP/s (ms); fwd+bwd FLOPs = 3.5 x fwd; peak = MiB above the inputs; `*`: output differs from "
-             "FAT5's (not a peer).",
+             "TFLOP/s from the throughput (ms: throughput / latency of one call alone); fwd+bwd FLOPs = 3.5 x fwd; "
+             "peak = MiB above the inputs; `*`: output differs from FAT5's (not a peer).",
              "",
              "| causal | pass | L | " + " | ".join(args.impl) + " | fat5 / best peer |"
              + (" fat5 / fat5_nodropout |" if "fat5_nodropout" in args.impl else ""),
@@ -255,10 +299,8 @@ def markdown(rows, args, stamp):
             elif row["ms"] is None:
                 cells.append(row["status"].split(":")[0])
             else:
-                peak = f", {row['peak_mib']} MiB" if row["peak_mib"] is not None else ""
-                mark = "*" if row["status"] != "ok" else ""  # timed, but its output differs from FAT5's
-                cells.append(f"{row['tflops']:.3g}{mark} ({row['ms']:.3g} ms{peak})")
-                if name not in NOT_PEERS and not mark:
+                cells.append(cell(row))
+                if name not in NOT_PEERS and row["status"] == "ok":
                     peers.append(row["tflops"])
 
         def ok_row(name):
@@ -311,6 +353,9 @@ def build_parser():
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="attention dropout probability of every implementation (fat5_nodropout: none)")
     parser.add_argument("--peer-max-length", type=int, default=16384, help="peers stop at this L (fat5 goes on)")
+    parser.add_argument("--dense-backward-max-length", type=int, default=16384,
+                        help="the dense-bias SDPA peers' forward+backward stops at this L (their bias gradient "
+                             "takes seconds a call from L = 8192)")
     common.add_timing_arguments(parser, reps=20, warmup=5, seconds=3.0)
     common.add_output_arguments(parser)
     parser.add_argument("--decode", action="store_true", help="time one generation step instead (Lq = 1)")
@@ -326,6 +371,7 @@ def parse_args():
     if args.smoke:
         args.lengths, args.heads, args.head_dim, args.tokens = [32, 48], 2, 32, 96
         args.dtype, args.reps, args.warmup, args.peer_max_length = "float32", 1, 0, 48
+        args.dense_backward_max_length = min(args.dense_backward_max_length, 32)  # L = 48: the skip
         args.decode_lengths, args.decode_batches = [24], [1]
     if not 0.0 <= args.dropout < 1.0:
         parser.error(f"--dropout {args.dropout}: must be in [0, 1)")

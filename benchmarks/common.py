@@ -24,6 +24,7 @@ import transformers  # noqa: E402
 from fat5.training.flags import HelpFormatter  # noqa: E402  (FAT5's commands' --help layout)
 
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+STARTED = time.perf_counter()  # when the script imported this module: rows' at_s counts from here
 # Where results go by default: a folder of the current directory (git-ignored in a checkout), never the checkout's
 # tracked files; `--out benchmarks/results` keeps them with the repository on purpose.
 OUT_DIR = Path("bench-results")
@@ -76,9 +77,41 @@ def synchronize():
 
 
 def time_ms(fn, reps, warmup, seconds=0.0):
-    """Median milliseconds of `fn()` over `reps` calls after `warmup` calls (CUDA events on GPU). With `seconds`,
-    counted from the end of the first call (which compiles), warm-up stops after half of it and timing after all
-    of it, one timed call at least: a slow peer gets fewer repetitions instead of a longer run."""
+    """Median milliseconds of `fn()` over `reps` calls after `warmup` calls (CUDA events on GPU), each call alone:
+    synchronized before, so the host's launch work is inside every interval (what a generate call sees). With
+    `seconds`, counted from the end of the first call (which compiles), warm-up stops after half of it and timing
+    after all of it, one timed call at least: a slow peer gets fewer repetitions instead of a longer run."""
+    return time_calls(fn, reps, warmup, seconds, throughput=False)["latency_ms"]
+
+
+def _one_call_ms(fn):
+    """Milliseconds of one call of `fn`, the device idle before it: CUDA events around it on GPU."""
+    synchronize()
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def time_calls(fn, reps, warmup, seconds=0.0, throughput=True):
+    """Two timings of `fn()` after `warmup` calls, as a dict:
+    latency_ms  the median of up to `reps` calls each alone (synchronized before, CUDA events around it): the
+                host's launch work and the GPU's, one after the other (what one generation step sees);
+    ms          throughput: a few calls enqueued without waiting (the GPU busy), then `calls` calls back to back
+                between one event pair, over `calls` (what a training step sees, its host running ahead): the
+                larger of the GPU's and the host's time per call;
+    host_ms     the host's time to enqueue one of those calls (ms close to host_ms: bound by the host);
+    calls       how many calls `ms` averages (0: the call is too slow to repeat, and ms is its latency).
+    With `seconds`, counted from the end of the first call (which compiles): warm-up stops after a quarter of
+    it, latency calls after half, and the throughput calls fill about the other half (one timed call of each at
+    least): a slow peer gets fewer repetitions instead of a longer run. On CPU everything is synchronous: ms is
+    the mean of the calls back to back."""
     if warmup:
         fn()
         synchronize()
@@ -89,26 +122,38 @@ def time_ms(fn, reps, warmup, seconds=0.0):
         return seconds and time.perf_counter() - began > seconds * share
 
     for _ in range(warmup - 1):
-        if spent(0.5):
+        if spent(0.25 if throughput else 0.5):
             break
         fn()
-    times = []
-    synchronize()
+    latencies = []
     for done in range(reps):
-        if done and spent(1.0):
+        if done and spent(0.5 if throughput else 1.0):
             break
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        latencies.append(_one_call_ms(fn))
+    latency = statistics.median(latencies)
+    result = dict(ms=latency, latency_ms=latency, host_ms=None, calls=0)
+    calls = reps if not seconds else min(reps, int(seconds * 1e3 / 2 / latency))
+    if not throughput or calls < 1:
+        return result
+    for _ in range(min(2, calls)):  # the GPU busy with these while the timed calls are enqueued
+        fn()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    else:
+        started = time.perf_counter()
+    enqueue = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - enqueue) * 1e3 / calls
+    if cuda:
+        end.record()
+        end.synchronize()
+        total = start.elapsed_time(end)
+    else:
+        total = (time.perf_counter() - started) * 1e3
+    return dict(result, ms=total / calls, host_ms=host, calls=calls)
 
 
 def _resident_kib(field):
@@ -178,7 +223,8 @@ def ratio(ours, theirs):
 class Rows(list):
     """A benchmark's rows, each written to <out_dir>/<benchmark>_<device>_<date>.jsonl the moment it is appended
     (JSON lines; the first holds benchmark, device, versions, date, command and settings), so a run killed midway
-    keeps every row it measured (gpu_suite.py reads them back, a line cut short by a kill left out)."""
+    keeps every row it measured (gpu_suite.py reads them back, a line cut short by a kill left out). Each row gets
+    at_s: seconds from the script importing this module to the row (what the GPU plan's estimates are set from)."""
 
     def __init__(self, benchmark, settings, out_dir):
         super().__init__()
@@ -190,6 +236,7 @@ class Rows(list):
         print(f"rows: {self.path}", flush=True)
 
     def append(self, row):
+        row.setdefault("at_s", round(time.perf_counter() - STARTED, 1))
         super().append(row)
         with open(self.path, "a") as file:
             file.write(json.dumps(row, default=str) + "\n")

@@ -24,6 +24,13 @@ model exported by convert/ct2_fat5.py, run by `ctranslate2.Translator` with floa
 exactly --new-tokens tokens, with its own cache (rows with cache "own"; the table's `best` rows compare it).
 `--rounds N` runs the whole comparison N times, every other round in reverse order; the table keeps each row's
 median round (every round's rows are in the JSON lines).
+
+`--profile` times nothing: for each implementation, cache and batch, after one warm-up call (which compiles), one
+generate call runs under torch.profiler; `generate_profile_<device>_<date>.txt` in --out gets its key_averages
+table (the top 30 ops by self CPU time) and a row per call goes to the JSON lines: CUDA kernels run, kernel
+launches, device-to-host copies and synchronizations, and tensor-to-Python reads (aten::_local_scalar_dense), in
+all and per generated token (the encoder pass included), with the host's self CPU time. This is what explains a
+generation step's host time.
 """
 
 
@@ -107,6 +114,69 @@ def generate_rows(name, model, args, fat5_tokens, rows, status, round_=0):
                 print(f"  {name:10s} {cache:15s} encoder={encoder_length:<5d} batch={batch:<4d} {speed} "
                       f"{row['status']}", flush=True)
     model.forward = eager_forward
+
+
+SYNCHRONIZATIONS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuStreamSynchronize",
+                    "cuCtxSynchronize", "cuEventSynchronize")
+
+
+def profile_counts(events, new_tokens):
+    """What one profiled generate call did, from its profiler events: kernels, launches, syncs, copies to the host,
+    tensor-to-Python reads, in all and per new token."""
+    from torch.autograd import DeviceType
+
+    device = [event for event in events if event.device_type == DeviceType.CUDA]
+    host = [event for event in events if event.device_type != DeviceType.CUDA]
+    counts = dict(
+        kernels=sum(not event.name.startswith(("Memcpy", "Memset")) for event in device),
+        launches=sum("LaunchKernel" in event.name for event in host),
+        synchronizations=sum(event.name in SYNCHRONIZATIONS for event in host),
+        device_to_host_copies=sum(event.name.startswith("Memcpy DtoH") for event in device),
+        local_scalar_dense=sum(event.name == "aten::_local_scalar_dense" for event in host))
+    return dict(counts, **{f"{key}_per_token": round(value / new_tokens, 2) for key, value in counts.items()})
+
+
+def profile_rows(name, model, args, rows, report):
+    """Append to `rows` one row per (encoder length, cache, batch): one generate call under torch.profiler after a
+    warm-up call; `report(text)` gets its key_averages table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = common.device()
+    model.to(device=device, dtype=getattr(torch, args.dtype)).eval()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    for cache in args.caches:
+        for encoder_length in args.encoder_lengths:
+            for batch in args.batches:
+                input_ids = encoder_input(batch, encoder_length, args).to(device)
+                options = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                               max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, disable_compile=True)
+                if cache != "dynamic":
+                    options["cache_implementation"] = "static"
+                row = dict(implementation=name, cache=cache, batch=batch, encoder_length=encoder_length,
+                           new_tokens=args.new_tokens, status="ok")
+                try:
+                    with torch.no_grad():
+                        model.generate(**options)  # compiles what compiles
+                        common.synchronize()
+                        with profile(activities=activities) as profiler:
+                            model.generate(**options)
+                            common.synchronize()
+                    averages = profiler.key_averages()
+                    row.update(profile_counts(profiler.events(), args.new_tokens),
+                               self_cpu_ms=round(sum(event.self_cpu_time_total for event in averages) / 1e3, 1),
+                               top=[(event.key, round(event.self_cpu_time_total / 1e3, 2), event.count) for event in
+                                    sorted(averages, key=lambda event: -event.self_cpu_time_total)[:10]])
+                    report(f"## {name}, {cache} cache, batch {batch}, encoder {encoder_length}, {args.new_tokens} new "
+                           f"tokens\n\n" + "\n".join(f"{key}: {row[key]}" for key in row if key.endswith(
+                               ("_per_token", "self_cpu_ms"))) + "\n\n"
+                           + averages.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+                except Exception as error:  # a cache or peer that cannot run here: a row, not a crash
+                    row["status"] = common.error_status(error)
+                rows.append(row)
+                common.release_memory()
+                counts = " ".join(f"{key[:-10]} {row[key]}" for key in row if key.endswith("_per_token"))
+                print(f"  {name:10s} {cache:15s} encoder={encoder_length:<5d} batch={batch:<4d} per token: {counts} "
+                      f"{row['status']}", flush=True)
 
 
 def encoder_input(batch, length, args):
@@ -258,6 +328,9 @@ def build_parser():
                         help="times the whole comparison runs, every other round in reverse order (FAT5 last); "
                              "the table keeps each row's median round, so that a shared machine's changing load "
                              "does not favour whichever implementation ran when it was lightest")
+    parser.add_argument("--profile", action="store_true",
+                        help="time nothing: profile one generate call of each implementation, cache and batch "
+                             "(torch.profiler: the top ops by self CPU time, kernel launches and syncs per token)")
     common.add_allow_cpu_argument(parser)
     common.add_output_arguments(parser)
     return parser
@@ -283,6 +356,8 @@ def parse_args():
     if unknown:
         parser.error(f"unknown --impl or --caches {unknown}; implementations: fat5, "
                      f"{', '.join(common.T5_ATTENTION)}, {', '.join(CT2)}; caches: {', '.join(CACHES)}")
+    if args.profile and "static+compile" in args.caches:
+        parser.error("--profile profiles eager generation: --caches dynamic and/or static")
     if "fat5" in args.impl:
         args.impl.remove("fat5")
         args.impl.insert(0, "fat5")  # first, so the others can be compared with its tokens
@@ -322,8 +397,34 @@ def median_round(rows):
     return summary
 
 
+def profile_main(args):
+    """--profile: a row and a key_averages table per implementation, cache and batch (no timing, no ct2)."""
+    settings = dict(shape=args.shape, dtype=args.dtype, new_tokens=args.new_tokens)
+    rows = common.Rows("generate_profile", settings, args.out)
+    text = rows.path.with_suffix(".txt")
+    text.write_text(f"# generate.py --profile: {common.header()}\n\n")
+
+    def report(section):
+        with open(text, "a") as file:
+            file.write(section + "\n")
+
+    reference, batch, expected = common.reference_and_check(args.shape, args.dtype)
+    for name in (name for name in args.impl if name not in CT2):
+        model, status = common.checked_model(name, reference, batch, expected, args.dtype)
+        if model is None:
+            rows.append(dict(implementation=name, status=status))
+            continue
+        profile_rows(name, model, args, rows, report)
+        del model
+        common.release_memory()
+    print(f"profiles: {text}", flush=True)
+
+
 def main():
     args = parse_args()
+    if args.profile:
+        profile_main(args)
+        return
     settings = dict(shape=args.shape, dtype=args.dtype, new_tokens=args.new_tokens, reps=args.reps,
                     warmup=args.warmup, max_seconds=args.max_seconds, rounds=args.rounds)
     rows, fat5_tokens = common.Rows("generate", settings, args.out), {}

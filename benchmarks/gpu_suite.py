@@ -1,7 +1,7 @@
 """FAT5's GPU plan: what a lent GPU measures, in two calls that fit a 15-minute device window, losing nothing.
 
     python benchmarks/gpu_suite.py --call 1 --out $OUT     # one H100: at most 9 minutes
-    python benchmarks/gpu_suite.py --call 2 --out $OUT     # at most 4 minutes, right after it
+    python benchmarks/gpu_suite.py --call 2 --out $OUT     # at most 5 minutes, right after it
     python benchmarks/gpu_suite.py --call 1 --smoke --out DIR   # CPU, smoke sizes: the same plan checks itself
     python benchmarks/gpu_suite.py --goals call1-rows.tar.gz call2-rows.tar.gz [--update-results]
                                                            # the goal table from what came back, on any machine
@@ -10,11 +10,11 @@ A call runs its steps (PLAN below) in order of value, each in its own process un
 starts no step once its --budget is spent. Each step is one of the benchmark scripts, the GPU tier's tests, or the
 environment; children run unbuffered and write every row the moment it is measured (JSON lines). After every step
 the suite packs everything into three files in --out: callN.log (every step's output, each step headed by its
-command and process id), callN-rows.tar.gz (every row so far) and callN-goals.md (the goal table so far), so a
-timeout, a crash or a kill loses only the step in flight. Wheels in --wheels (scripts/fetch_gpu_wheels.py fetches
-the tested transformers and liger-kernel, which the GPU image lacks) are first installed offline into the work
-folder, which goes first on the children's PYTHONPATH; without them the plan runs on what is installed and its
-first line says so.
+command and process id), callN-rows.tar.gz (every row so far) and callN-goals.md (the goal table so far, then
+each step's rows as a table), so a timeout, a crash or a kill loses only the step in flight. Wheels in --wheels
+(scripts/fetch_gpu_wheels.py fetches the tested transformers and liger-kernel, which the GPU image lacks) are
+first installed offline into the work folder, which goes first on the children's PYTHONPATH; without them the plan
+runs on what is installed and its first line says so.
 """
 
 import argparse
@@ -39,85 +39,103 @@ if str(ROOT) not in sys.path:
 from fat5.training.flags import HelpFormatter  # noqa: E402  (no torch, no transformers: the suite imports neither)
 
 # One step: `command` runs with `python` in the repository root; with --smoke, `smoke` is appended (argparse keeps
-# an option's last value). `estimate`: seconds expected on a cold H100 machine (the image's python, Triton's cache
-# empty); `cap`: the step's limit. Estimates come from counts: a bf16/fp16 variant of the kernel compiles its
-# forward, dK/dV and dQ in about 10-15 s of one CPU core (fp32: 9-33 s a kernel, hence none in call 1); a child
-# starts in 5-8 s (torch, transformers); FlexAttention compiles 10-20 s a shape; a T5-base step takes 0.1-3 s.
+# an option's last value). `estimate`: seconds expected on an H100 machine, set from the first run's durations
+# (benchmarks/results/2026-11-27-h100/call*.log; a step that ran out of time: what it did by then, extrapolated);
+# `cap`: the step's limit, the estimate with a margin. Counts behind them: a child starts in 5-8 s (torch,
+# transformers); a bf16/fp16 variant of the kernel compiles its forward, dK/dV and dQ in 11-14 s of one core (fp32:
+# 9-33 s a kernel); FlexAttention compiles 10-20 s a shape; a T5-base training step takes 0.25-0.7 s; a generate
+# call of 128 tokens 2-4 s (eager).
 Step = namedtuple("Step", "call name cap estimate command smoke")
 PEERS = "sdpa_dense_bias,sdpa_efficient_bias,sdpa_cudnn_bias,sdpa_nobias"
 # attention.py's first call of each implementation (the output check) compiles and warms it: one more warm-up call,
-# then up to 10 timed within a second (a slow peer: one).
+# then up to 10 calls alone (latency) within half a second and up to 10 back to back (throughput) within the other
+# half (a slow peer: one of each, or one alone). The dense-bias peers' backward stops at L = 2048: at 8192 each of
+# their calls took 9-10 s (the bias table's gradient), 20 s a backend, which ran the first decoder step out of time.
 QUICK = ["--reps", "10", "--warmup", "1", "--max-seconds", "1", "--no-plot"]
+DENSE = ["--dense-backward-max-length", "2048"]
 SMOKE_ATTENTION = ["--smoke", "--impl", "fat5,sdpa_dense_bias,sdpa_cudnn_bias,sdpa_nobias"]
 TESTS = ["-m", "pytest", "-p", "no:cacheprovider", "-p", "gpu_suite", "-q", "-rfE", "-m", ""]
-# The GPU tier in half precision only (bf16's tl.dot has never run anywhere): the kernel's realistic sizes (padded,
-# packed, causal, decode offsets, dropout, every gradient), dropout statistics, offsets past 2^31, memory flat in
-# L, and the whole model in bf16 against eager attention (bias tables' gradients included).
+# The GPU tier in half precision only: the kernel's realistic sizes (padded, packed, causal, decode offsets,
+# dropout, every gradient), dropout statistics, offsets past 2^31, memory flat in L, and the whole model in bf16
+# against eager attention (bias tables' gradients included). 24 tests, 55 s on 8 workers (2026-11-27).
 CORRECTNESS = "half_precision_on_gpu or keep_rate or many_heads or memory_is_flat or (low_precision and full)"
 TEST_FILES = ["tests/test_flash_attention_t5.py", "tests/test_gpu_model.py"]
-# The whole model in fp32 on CUDA against eager attention (every position encoding), generation with every backend
-# and cache, a FLAN-T5 conversion in bf16, the fused kernels at model sizes, liger-kernel's loss, a compiled
-# training step, gradient checkpointing with dropout: the fp32 kernels compile here (9-33 s each).
+# The whole model in fp32 on CUDA against eager attention (every position encoding, d = 64 and 128, L = 512 and
+# 2048), generation with every backend and cache, a FLAN-T5 conversion in bf16, the fused kernels at model sizes,
+# liger-kernel's loss, a compiled training step, gradient checkpointing with dropout: 27 tests, never run on a GPU
+# yet; the fp32 kernels compile here (9-33 s each, 8 workers), Inductor once.
 PARITY = ("(full and (fp32 or every_backend or flan_t5 or rms_norm or compiled or checkpointing) and not "
           "low_precision) or liger")
+GENERATE = ["benchmarks/generate.py", "--impl", "fat5,t5_sdpa", "--encoder-lengths", "512", "--no-plot"]
 PLAN = [
-    # Call 1: a 510 s budget (timeout_s 540); estimates 10 (wheels) + 430 s, then generation with what is left.
-    Step(1, "environment", 30, 10, ["-c", "ENVIRONMENT"], []),
-    # 7 variants at once (16 cores): a process start, then one variant's 3 kernels.
-    Step(1, "compile", 60, 35, ["benchmarks/compile_times.py", "--jobs", "8"], ["--smoke", "--variants", "enc,packed"]),
-    # About 30 variants (10-15 s each) on 8 workers, plus their start.
-    Step(1, "correctness", 120, 90, [*TESTS, "-n", "8", "-k", CORRECTNESS, *TEST_FILES], ["-m", "gpu"]),
-    # 3 L x 6 implementations x 2 passes at <= 1 s after 2 calls, FlexAttention's 3 compiles (15-20 s), the dense
-    # bias's L x L backward (1-2 s a call at 8192).
-    Step(1, "attention_encoder", 120, 100, ["benchmarks/attention.py", "--causal", "no", "--lengths",
-                                            "512,2048,8192", "--impl", f"fat5,flex_lut,{PEERS}", *QUICK],
+    # Call 1: a 510 s budget (timeout_s 540); estimates 483 s in all: correctness, then what the host-overhead
+    # work changes (attention, the training step, generation).
+    Step(1, "environment", 30, 8, ["-c", "ENVIRONMENT"], []),
+    # 7 variants on 8 workers: 30 s.
+    Step(1, "compile", 60, 30, ["benchmarks/compile_times.py", "--jobs", "8"], ["--smoke", "--variants", "enc,packed"]),
+    # 61 s.
+    Step(1, "correctness", 100, 60, [*TESTS, "-n", "8", "-k", CORRECTNESS, *TEST_FILES], ["-m", "gpu"]),
+    Step(1, "fp32_parity", 170, 130, [*TESTS, "-n", "8", "-k", PARITY, "tests/test_gpu_model.py"], ["-m", "gpu"]),
+    # 70 s with 2 of 6 implementations refusing at once; now both run (a few s), the dense backward at 8192 (20 s)
+    # is not run.
+    Step(1, "attention_encoder", 100, 65, ["benchmarks/attention.py", "--causal", "no", "--lengths",
+                                           "512,2048,8192", "--impl", f"fat5,flex_lut,{PEERS}", *QUICK, *DENSE],
          SMOKE_ATTENTION),
-    Step(1, "attention_decoder", 60, 45, ["benchmarks/attention.py", "--causal", "yes", "--lengths", "512,2048,8192",
-                                          "--impl", f"fat5,{PEERS}", *QUICK], SMOKE_ATTENTION),
-    # The reference T5-base built on CPU, 2 models x 2 L x 7 steps (0.1-3 s each).
-    Step(1, "train_step", 90, 70, ["benchmarks/train_step.py", "--impl", "fat5,t5_sdpa", "--lengths", "512,4096",
+    # Every row came in 60 s, 38 s of them the dense backward at 8192 (efficient and default), now not run; cuDNN
+    # now runs.
+    Step(1, "attention_decoder", 60, 35, ["benchmarks/attention.py", "--causal", "yes", "--lengths",
+                                          "512,2048,8192", "--impl", f"fat5,{PEERS}", *QUICK, *DENSE],
+         SMOKE_ATTENTION),
+    # 44 s.
+    Step(1, "train_step", 75, 45, ["benchmarks/train_step.py", "--impl", "fat5,t5_sdpa", "--lengths", "512,4096",
                                    "--reps", "5", "--warmup", "2", "--max-seconds", "8", "--no-plot"], ["--smoke"]),
-    # transformers' flex T5 compiles per shape (the check's, 512, 4096; self- and cross-attention).
-    Step(1, "train_step_flex", 90, 80, ["benchmarks/train_step.py", "--impl", "t5_flex", "--lengths", "512,4096",
-                                        "--reps", "5", "--warmup", "2", "--max-seconds", "8", "--no-plot"],
-         ["--smoke", "--impl", "t5_eager"]),  # FlexAttention's CPU compile takes minutes
-    # 2 models x 2 caches x 2 batches x 2 generate calls of 128 tokens (1.5-2.5 s each), the decode kernels' 6-9
-    # forward compiles (a q_offset and a key count of 1 or a multiple of 16 compile apart): last, with what is left.
-    Step(1, "generate", 100, 85, ["benchmarks/generate.py", "--impl", "fat5,t5_sdpa", "--caches", "dynamic,static",
-                                 "--batches", "1,32", "--encoder-lengths", "512", "--reps", "1", "--warmup", "1",
-                                 "--no-plot"], ["--smoke"]),
-    # Call 2: a 210 s budget (timeout_s 240); estimates 140 s up to train_step_long, then what fits, in order.
+    # 6 of 8 rows in 100 s (the decode kernels' first compiles, 7-8 s a FAT5 row, 4-5 s a T5 row): 110 s.
+    Step(1, "generate", 150, 110, [*GENERATE, "--caches", "dynamic,static", "--batches", "1,32", "--reps", "1",
+                                   "--warmup", "1"], ["--smoke"]),
+    # Call 2: a 270 s budget (timeout_s 300); estimates 211 s up to tile_sweep, then what fits, in order.
     Step(2, "environment", 20, 8, ["-c", "ENVIRONMENT"], []),
-    Step(2, "compile", 30, 20, ["benchmarks/compile_times.py", "--variants", "drop_enc,drop_dec,d128_enc,alibi_enc",
-                                "--jobs", "4"], ["--smoke", "--variants", "drop_enc"]),
-    Step(2, "attention_dropout", 45, 35, ["benchmarks/attention.py", "--causal", "no", "--dropout", "0.1", "--lengths",
-                                          "2048,8192", "--impl", "fat5,fat5_nodropout,sdpa_dense_bias,sdpa_nobias",
-                                          *QUICK], ["--smoke"]),
-    Step(2, "attention_decode", 25, 15, ["benchmarks/attention.py", "--decode", "--decode-lengths", "1024,8192",
+    # Where a generation step's host time goes (kernels found in Triton's cache since call 1): a child, two models,
+    # a warm-up and a profiled call of 32 tokens for each cache.
+    Step(2, "generate_profile", 50, 30, [*GENERATE, "--profile", "--caches", "dynamic,static", "--batches", "1",
+                                         "--new-tokens", "32"], ["--smoke"]),
+    # 18 s.
+    Step(2, "attention_decode", 30, 18, ["benchmarks/attention.py", "--decode", "--decode-lengths", "1024,8192",
                                          *QUICK], ["--smoke"]),
-    # Memory at 16k and 32k (batch 2 and 1): the dense-bias peers up to 16k.
-    Step(2, "attention_long", 45, 30, ["benchmarks/attention.py", "--causal", "no", "--lengths", "16384,32768",
+    # CUDA graphs (reduce-overhead): FAT5's first row did not come in 45 s (Inductor compiles the decoder step);
+    # one timed call after the warm-up now.
+    Step(2, "generate_compiled", 130, 100, [*GENERATE, "--caches", "static+compile", "--batches", "1", "--reps", "1",
+                                            "--warmup", "1"],
+         ["--smoke", "--caches", "static"]),  # Inductor's CPU compile takes minutes
+    # 19 candidates on 8 workers (a process start, 2-3 kernels each), then 1 s of timing each.
+    Step(2, "tile_sweep", 90, 55, ["benchmarks/tile_sweep.py", "--jobs", "8"], ["--smoke"]),
+    # Measured on 2026-11-27, and not changed by the host-overhead work: again as time allows.
+    Step(2, "compile", 40, 25, ["benchmarks/compile_times.py", "--variants", "drop_enc,drop_dec,d128_enc,alibi_enc",
+                                "--jobs", "4"], ["--smoke", "--variants", "drop_enc"]),
+    Step(2, "attention_dropout", 55, 40, ["benchmarks/attention.py", "--causal", "no", "--dropout", "0.1",
+                                          "--lengths", "2048,8192", "--impl",
+                                          "fat5,fat5_nodropout,sdpa_dense_bias,sdpa_nobias", *QUICK], ["--smoke"]),
+    # Memory at 16k and 32k (batch 2 and 1): the dense-bias peers up to 16k, forward only.
+    Step(2, "attention_long", 40, 22, ["benchmarks/attention.py", "--causal", "no", "--lengths", "16384,32768",
                                        "--impl", "fat5,sdpa_dense_bias,sdpa_cudnn_bias,sdpa_nobias",
-                                       "--peer-max-length", "16384", *QUICK], SMOKE_ATTENTION),
-    Step(2, "train_step_long", 45, 30, ["benchmarks/train_step.py", "--impl", "fat5", "--lengths", "16384,32768",
+                                       "--peer-max-length", "16384", *QUICK, *DENSE], SMOKE_ATTENTION),
+    Step(2, "train_step_long", 50, 35, ["benchmarks/train_step.py", "--impl", "fat5", "--lengths", "16384,32768",
                                         "--reps", "3", "--warmup", "1", "--max-seconds", "8", "--no-plot"],
          ["--smoke"]),
-    # CUDA graphs (reduce-overhead): Inductor compiles each model's decoder step once (30-40 s).
-    Step(2, "generate_compiled", 90, 70, ["benchmarks/generate.py", "--impl", "fat5,t5_sdpa", "--caches",
-                                          "static+compile", "--batches", "1", "--encoder-lengths", "512", "--reps",
-                                          "2", "--warmup", "1", "--no-plot"],
-         ["--smoke", "--caches", "static"]),  # Inductor's CPU compile takes minutes
     Step(2, "attention_decoder_flex", 60, 50, ["benchmarks/attention.py", "--causal", "yes", "--lengths",
                                                "512,2048,8192", "--impl", "fat5,flex_lut", *QUICK],
          ["--smoke", "--impl", "fat5"]),
-    Step(2, "generate_long", 60, 45, ["benchmarks/generate.py", "--impl", "fat5,t5_sdpa", "--caches",
-                                      "dynamic,static", "--batches", "1,32", "--encoder-lengths", "4096", "--reps",
-                                      "1", "--warmup", "1", "--no-plot"], ["--smoke"]),
-    Step(2, "fp32_parity", 120, 100, [*TESTS, "-n", "8", "-k", PARITY, "tests/test_gpu_model.py"], ["-m", "gpu"]),
+    Step(2, "generate_long", 60, 45, [*GENERATE[:-3], "--encoder-lengths", "4096", "--no-plot", "--caches",
+                                      "dynamic,static", "--batches", "1,32", "--reps", "1", "--warmup", "1"],
+         ["--smoke"]),
+    # transformers' T5 with FlexAttention compiles per shape (self- and cross-attention, forward and backward):
+    # no row in 90 s at L = 512; L = 4096 first (the 4x goal's length).
+    Step(2, "train_step_flex", 120, 110, ["benchmarks/train_step.py", "--impl", "t5_flex", "--lengths", "4096,512",
+                                          "--reps", "5", "--warmup", "2", "--max-seconds", "8", "--no-plot"],
+         ["--smoke", "--impl", "t5_eager"]),  # FlexAttention's CPU compile takes minutes
 ]
-# Device time: a start (60-120 s) + call 1 (<= 540 s) + call 2 (<= 240 s) + transfers: 13-15 of the 15 minutes.
-# A call that fails early is rerun with a --budget that keeps call 2's 4 minutes (docs/benchmarks.md).
-BUDGETS = {1: 510, 2: 210}
+# Device time (docs/benchmarks.md): 900 s = machine start and transfers (35 s on 2026-11-27) + call 1 (timeout_s
+# 540) + call 2 (timeout_s 300) + 25 s spare. A call that fails early is rerun with a --budget that keeps call 2.
+BUDGETS = {1: 510, 2: 270}
 MIN_STEP_SECONDS = 10  # a step is not started with less left than this
 SMOKE_CAP = 600  # each step's cap with --smoke: CPUs differ widely
 PACK_SECONDS = 3  # kept back from the last step for packing
@@ -169,8 +187,9 @@ def pytest_runtest_logreport(report):
         message = ""
     elif isinstance(report.longrepr, tuple):  # a skip: (file, line, reason)
         message = str(report.longrepr[2])
-    else:
-        message = (report.longreprtext.strip().splitlines() or [""])[-1][:300]
+    else:  # pytest's "E   ..." lines (the assertion and its values), or the report's last line
+        lines = report.longreprtext.strip().splitlines() or [""]
+        message = (" / ".join(line[1:].strip() for line in lines if line.startswith("E ")) or lines[-1])[:600]
     row = dict(test=report.nodeid, when=report.when, outcome=report.outcome, seconds=round(report.duration, 2),
                message=message)
     with open(_test_rows, "a") as file:
@@ -475,13 +494,14 @@ def compile_goal(rows):
 
 def goal_table(found):
     """The markdown goal table of the rows `read_archives` found: a heading with device and versions (from the
-    environment rows), the steps' statuses, then one line per goal."""
+    environment rows), the steps' statuses, then one line per goal; then each step's rows as a table
+    (`step_tables`), so that a step killed before printing its own table loses nothing."""
     environment = next(iter(found.get("environment", [])), (None, {}, []))[1]  # its header: device, versions, date
     attention = all_rows(found, "attention")  # attention.py's rows without dropout (with it: attention_dropout)
     goals = [compile_goal(all_rows(found, "compile_times")),
              tests_goal("correctness on CUDA in bf16 and fp16 passes (call 1)", all_rows(found, "tests",
                                                                                          {"correctness"})),
-             tests_goal("fp32 parity and compiled variants pass (call 2)", all_rows(found, "tests", {"fp32_parity"})),
+             tests_goal("fp32 parity and compiled variants pass (call 1)", all_rows(found, "tests", {"fp32_parity"})),
              *kernel_goals(attention), *dropout_goals(all_rows(found, "attention_dropout")),
              *model_goals(all_rows(found, "train_step"), all_rows(found, "generate"))]
     steps = "; ".join(f"call {row['call']} {row['step']} {row['status']} ({row['seconds']} s)"
@@ -491,7 +511,83 @@ def goal_table(found):
              "", f"{versions}; `python benchmarks/gpu_suite.py --call N`. Steps: {steps or 'none'}.", "",
              "| goal | figure | status |", "| --- | --- | --- |"]
     lines += [f"| {row['goal']} | {row['figure']} | {row['status']} |" for row in goals]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + step_tables(found)
+
+
+def _number(value, digits=3):
+    return "-" if value is None else f"{value:.{digits}g}"
+
+
+def _attention_cell(row):
+    mark = "*" if row["status"].startswith("mismatch") else ""
+    latency = f" / {_number(row.get('latency_ms'))}" if row.get("latency_ms") is not None else ""
+    return f"{_number(row['tflops'])}{mark} ({_number(row['ms'])}{latency} ms)"
+
+
+def _decode_cell(row):
+    latency = f" / {row['latency_ms'] * 1e3:.1f}" if row.get("latency_ms") is not None else ""
+    return f"{row['ms'] * 1e3:.1f}{latency} us"
+
+
+def _profile_cell(row):
+    return (f"{row.get('launches_per_token')} launches, {row.get('kernels_per_token')} kernels, "
+            f"{row.get('synchronizations_per_token')} syncs, {row.get('device_to_host_copies_per_token')} copies to "
+            f"host, {row.get('local_scalar_dense_per_token')} reads a token; {row.get('self_cpu_ms')} ms host")
+
+
+# How `step_tables` shows each benchmark's rows: the columns that make a line, the column whose values become the
+# table's columns (None: one "result" column), the cell of a row that has a result, and the field that says so.
+ROW_TABLES = {
+    "attention": (("causal", "pass", "L"), "implementation", _attention_cell, "ms"),
+    "attention_dropout": (("causal", "pass", "L"), "implementation", _attention_cell, "ms"),
+    "attention_decode": (("batch", "L"), "implementation", _decode_cell, "ms"),
+    "train_step": (("L", "batch"), "implementation",
+                   lambda row: f"{row['tokens_per_s']:.4g} tok/s, {row['ms']:.4g} ms, {row['peak_mib']} MiB", "ms"),
+    "generate": (("encoder_length", "batch", "cache"), "implementation",
+                 lambda row: f"{row['tokens_per_s']:.4g}{'*' if row['status'].startswith('mismatch') else ''} tok/s",
+                 "ms"),
+    "generate_profile": (("cache", "batch"), "implementation", _profile_cell, "self_cpu_ms"),
+    "tile_sweep": (("kernel", "block_m", "block_n", "warps", "stages", "current"), None,
+                   lambda row: f"{row['ms']:.4g} / {row['latency_ms']:.4g} ms, kernel {row['kernel_ms']} ms", "ms"),
+    "compile_times": (("variant", "dtype", "head_dim"), None, lambda row: f"{row['compile_s']} s", "compile_s"),
+}
+TIME_UNITS = {"attention": "TFLOP/s from the throughput (ms: throughput / latency, one call alone)",
+              "attention_dropout": "TFLOP/s from the throughput (ms: throughput / latency, one call alone)",
+              "attention_decode": "throughput / latency",
+              "tile_sweep": "pass ms throughput / latency, the kernel's own ms (profiler)"}
+
+
+def step_tables(found):
+    """Each step's rows as a markdown table (ROW_TABLES), and each test step's failures with their messages."""
+    lines = []
+    for benchmark, (keys, column, cell, result) in ROW_TABLES.items():
+        for step, _, rows in found.get(benchmark, []):
+            if not rows:
+                lines += ["", f"#### {step} ({benchmark}): no rows"]
+                continue
+            columns = list(dict.fromkeys(row.get(column) for row in rows)) if column else ["result"]
+            units = f"; {TIME_UNITS[benchmark]}" if benchmark in TIME_UNITS else ""
+            names = [*keys, *map(str, columns)]
+            lines += ["", f"#### {step} ({benchmark}{units})", "", "| " + " | ".join(names) + " |",
+                      "|" + " --- |" * len(names)]
+            for key in dict.fromkeys(tuple(row.get(name) for name in keys) for row in rows):
+                cells = []
+                for name in columns:
+                    row = next((row for row in rows if tuple(row.get(k) for k in keys) == key
+                                and (column is None or row.get(column) == name)), None)
+                    if row is None:
+                        cells.append("-")
+                    elif row.get(result) is None:
+                        cells.append(str(row.get("status", "-"))[:120].replace("|", "/"))
+                    else:
+                        cells.append(cell(row).replace("|", "/"))
+                lines.append("| " + " | ".join([*map(str, key), *cells]) + " |")
+    for step, _, rows in found.get("tests", []):
+        failed = [row for row in rows if row["outcome"] == "failed"]
+        if failed:
+            lines += ["", f"#### {step}: {len(failed)} failed", ""]
+            lines += [f"- `{row['test']}` ({row['when']}): {row['message']}" for row in failed]
+    return "\n".join(lines) + ("\n" if lines else "")
 
 
 # ---- command line ------------------------------------------------------------------------------------------------

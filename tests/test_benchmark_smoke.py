@@ -126,6 +126,22 @@ def test_attention_dropout_smoke_compares_the_kernel_with_and_without_dropout(tm
 
 
 @pytest.mark.slow
+def test_tile_sweep_smoke_times_every_candidate_it_passed_to_the_kernel(tmp_path):
+    """Each candidate reaches the kernel module's chip_tiles (checked in the worker that compiles it), compiles,
+    matches the chip's own tiles' results and is timed; the chip's tiles come first, marked current."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "tile_sweep.py"), "--smoke", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (raw,) = tmp_path.glob("tile_sweep_*.jsonl")
+    rows = read_rows(raw)[1]
+    assert [(row["kernel"], row["current"]) for row in rows] == [(kernel, current) for kernel in ("forward", "dkdv",
+                                                                                                   "dq")
+                                                                  for current in (True, False)]
+    assert all(row["status"] == "ok" and row["ms"] > 0 and row["max_difference"] < 1e-4 for row in rows), rows
+    assert "| kernel | BLOCK_M x BLOCK_N, warps, stages |" in result.stdout
+
+
+@pytest.mark.slow
 def test_decode_smoke_run_writes_rows(tmp_path):
     stdout, rows = run_smoke("attention.py", tmp_path, "--decode")
     assert "| batch | Lk | fat5 | sdpa_dense_bias | sdpa_nobias |" in stdout
@@ -141,11 +157,13 @@ def test_decode_smoke_run_writes_rows(tmp_path):
                  "argument --decode-batches: 'one' is not an integer", marks=pytest.mark.slow),
     pytest.param("attention.py", ["--dropout", "1.0"], "--dropout 1.0: must be in [0, 1)", marks=pytest.mark.slow),
     ("gpu_suite.py", ["--call", "1", "--steps", "tests,nope"], "unknown --steps ['tests', 'nope'] for call 1; choose "
-     "from environment, compile, correctness, attention_encoder, attention_decoder, train_step, train_step_flex, "
+     "from environment, compile, correctness, fp32_parity, attention_encoder, attention_decoder, train_step, "
      "generate"),
     pytest.param("gpu_suite.py", ["--call", "2", "--cap", "generate=0"], "--cap 'generate=0': expected STEP=SECONDS "
-                 "with STEP one of environment, compile, attention_dropout, attention_decode, attention_long, "
-                 "train_step_long, generate_compiled, attention_decoder_flex, generate_long, fp32_parity",
+                 "with STEP one of environment, generate_profile, attention_decode, generate_compiled, tile_sweep, "
+                 "compile, attention_dropout, attention_long, train_step_long, attention_decoder_flex, generate_long, "
+                 "train_step_flex", marks=pytest.mark.slow),
+    pytest.param("tile_sweep.py", ["--kernels", "dq,bwd"], "unknown --kernels ['bwd']; choose from forward, dkdv, dq",
                  marks=pytest.mark.slow),
     ("gpu_suite.py", [], "say which call to run (--call 1 or --call 2), or --goals ARCHIVE..."),
     ("gpu_suite.py", ["--goals", "missing.tar.gz"], "--goals: no such archive missing.tar.gz"),
@@ -201,15 +219,27 @@ def test_gpu_plan_runs_end_to_end_at_smoke_sizes(tmp_path):
         for step in steps:
             header, rows = found[step]
             assert "benchmark" in header and rows, step  # the tests' steps: every GPU test skipped on CPU, a row each
-        assert all(row["outcome"] == "skipped" for row in found["correctness" if call == 1 else "fp32_parity"][1])
-        assert (out / f"call{call}-goals.md").read_text().count("\n| ") == 2 + 15
+        if call == 1:
+            assert all(row["outcome"] == "skipped" for step in ("correctness", "fp32_parity") for row in found[step][1])
+        goals, *tables = (out / f"call{call}-goals.md").read_text().split("\n#### ")
+        assert goals.count("\n| ") == 2 + 15
+        # Each step's rows as a table too (a step killed before its own table loses nothing).
+        assert {table.split(" ")[0] for table in tables} >= set(steps) - {"environment", "correctness", "fp32_parity"}
     result = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--goals",
                              str(out / "call1-rows.tar.gz"), str(out / "call2-rows.tar.gz")],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line for line in result.stdout.splitlines() if line.startswith("| ")][2:]
+    goals = result.stdout.split("\n#### ")[0]  # then each step's table
+    lines = [line for line in goals.splitlines() if line.startswith("| ")][2:]
     assert len(lines) == 15 and all(line.endswith(("| met |", "| MISSED |", "| not measured |")) for line in lines)
-    assert "call 1 train_step_flex ok" in result.stdout and "call 2 fp32_parity ok" in result.stdout
+    assert "call 1 fp32_parity ok" in result.stdout and "call 2 train_step_flex ok" in result.stdout
+    assert "#### tile_sweep (tile_sweep" in result.stdout
+    assert "#### generate_profile (generate_profile)" in result.stdout
+    with tarfile.open(out / "call2-rows.tar.gz") as tar:  # the profiler's tables come back in the archive
+        (profile,) = [member for member in tar.getmembers() if member.name.endswith(".txt")]
+        text = tar.extractfile(profile).read().decode()
+    assert profile.name.startswith("call2/generate_profile/generate_profile_")
+    assert text.count("\n## fat5, ") == 4 and "Self CPU" in text  # dynamic, static x batch 1, 2 (smoke sizes)
     assert (BENCHMARKS / "RESULTS.md").read_text() == results_before  # nothing is written into the checkout
 
 
@@ -372,3 +402,72 @@ def test_gpu_suite_goals_from_rows():
     assert gpu_suite.tests_goal("tests", tests) == dict(goal="tests", figure="1 passed, 1 failed (y[bf16])",
                                                         status="MISSED")
     assert gpu_suite.tests_goal("tests", tests[2:])["status"] == "not measured"
+
+
+def test_sdpa_peers_get_the_dense_bias_contiguous(monkeypatch):
+    """The fused SDPA backends refuse a mask whose last stride is not 1 ("No available kernel" on the H100): every
+    SDPA peer gets T5's bias contiguous, built inside the timed call, equal to the gathered bias (and -inf above
+    the diagonal when causal)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    sys.path.insert(0, str(BENCHMARKS))
+    import attention
+
+    seen = []
+
+    def spy(q, k, v, attn_mask=None, **options):
+        seen.append(attn_mask)
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    table = torch.randn(attention.NUM_BUCKETS, 3)
+    q = torch.randn(2, 3, 20, 8)
+    for name in ("sdpa_dense_bias", "sdpa_efficient_bias", "sdpa_cudnn_bias"):
+        for causal in (False, True):
+            seen.clear()
+            try:
+                attention.run(name, q, q, q, table, causal)
+            except RuntimeError:  # a backend this build lacks: the mask was still built and passed
+                pass
+            (mask,) = seen
+            assert mask.is_contiguous() and mask.stride(-1) == 1 and mask.shape == (1, 3, 20, 20)
+            expected = attention.causal_mask_bias(attention.dense_bias(table, 20, causal), causal)
+            assert torch.equal(mask, expected)
+
+
+def test_time_calls_reports_throughput_and_latency():
+    """common.time_calls: both timings of every call, the throughput over `calls` back-to-back calls; a call slower
+    than half the time allowed is not repeated (its throughput is its latency)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import common
+
+    calls = []
+    timing = common.time_calls(lambda: calls.append(time.sleep(0.002)), reps=5, warmup=2, seconds=0.0)
+    assert timing["calls"] == 5 and len(calls) == 2 + 5 + 2 + 5  # warm-up, latency, busy, throughput
+    assert timing["ms"] >= 2 and timing["latency_ms"] >= 2 and timing["host_ms"] >= 2
+    calls.clear()
+    slow = common.time_calls(lambda: calls.append(time.sleep(0.03)), reps=5, warmup=1, seconds=0.05)
+    assert slow["calls"] == 0 and slow["ms"] == slow["latency_ms"] >= 30 and slow["host_ms"] is None
+    assert common.time_ms(lambda: time.sleep(0.002), reps=3, warmup=1) >= 2
+
+
+def test_gpu_suite_rebuilds_each_steps_table_from_its_rows():
+    """A step killed before printing its table (the first run's decoder step) still gets one in callN-goals.md:
+    the rows it wrote, throughput and latency side by side, a refusal's reason in its cell, test failures listed."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import gpu_suite
+
+    def row(name, passes, ms, status="ok"):
+        return dict(implementation=name, L=512, batch=64, causal=True, status=status, **{"pass": passes},
+                    tflops=None if ms is None else 10 / ms, ms=ms, latency_ms=None if ms is None else 2 * ms)
+
+    found = {"attention": [("attention_decoder", {}, [row("fat5", "fwd", 0.5), row("fat5", "fwd+bwd", 1.0),
+                                                      row("sdpa_cudnn_bias", "fwd", None, "error: No available "
+                                                          "kernel (reason | here)")])],
+             "generate_compiled": [],
+             "tests": [("correctness", {}, [dict(test="t.py::a[x]", when="call", outcome="failed",
+                                                 message="AssertionError: 1.73e-3 > 6.46e-4")])]}
+    text = gpu_suite.step_tables(found)
+    assert "| causal | pass | L | fat5 | sdpa_cudnn_bias |" in text
+    assert "| True | fwd | 512 | 20 (0.5 / 1 ms) | error: No available kernel (reason / here) |" in text
+    assert "| True | fwd+bwd | 512 | 10 (1 / 2 ms) | - |" in text
+    assert "#### correctness: 1 failed" in text and "`t.py::a[x]` (call): AssertionError: 1.73e-3 > 6.46e-4" in text

@@ -79,11 +79,7 @@ def generate_rows(name, model, args, fat5_tokens, rows, status, round_=0):
             model.forward = torch.compile(eager_forward, mode=mode, dynamic=False)
         for encoder_length in args.encoder_lengths:
             for batch in args.batches:
-                input_ids = encoder_input(batch, encoder_length, args).to(device)
-                options = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                               max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, disable_compile=True)
-                if cache != "dynamic":
-                    options["cache_implementation"] = "static"
+                options = generate_options(batch, encoder_length, cache, args, device)
                 row = dict(implementation=name, cache=cache, batch=batch, encoder_length=encoder_length,
                            new_tokens=args.new_tokens, tokens_per_s=None, ms=None, ms_per_token=None, peak_mib=None,
                            same_tokens_as_fat5=None, cuda_graph_skips=None, status=status, round=round_)
@@ -147,11 +143,7 @@ def profile_rows(name, model, args, rows, report):
     for cache in args.caches:
         for encoder_length in args.encoder_lengths:
             for batch in args.batches:
-                input_ids = encoder_input(batch, encoder_length, args).to(device)
-                options = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                               max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, disable_compile=True)
-                if cache != "dynamic":
-                    options["cache_implementation"] = "static"
+                options = generate_options(batch, encoder_length, cache, args, device)
                 row = dict(implementation=name, cache=cache, batch=batch, encoder_length=encoder_length,
                            new_tokens=args.new_tokens, status="ok")
                 try:
@@ -177,6 +169,16 @@ def profile_rows(name, model, args, rows, report):
                 counts = " ".join(f"{key[:-10]} {row[key]}" for key in row if key.endswith("_per_token"))
                 print(f"  {name:10s} {cache:15s} encoder={encoder_length:<5d} batch={batch:<4d} per token: {counts} "
                       f"{row['status']}", flush=True)
+
+
+def generate_options(batch, encoder_length, cache, args, device):
+    """generate()'s arguments for one row: a random unpadded encoder input, greedy, exactly --new-tokens tokens."""
+    input_ids = encoder_input(batch, encoder_length, args).to(device)
+    options = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                   max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, disable_compile=True)
+    if cache != "dynamic":
+        options["cache_implementation"] = "static"
+    return options
 
 
 def encoder_input(batch, length, args):

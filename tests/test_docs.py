@@ -64,7 +64,7 @@ RUN_BY_CI = {
     'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q':
         "README command 2, in a fresh venv",
     "python -m pytest -q": "the default tier",
-    "python -m pytest -q -m slow -n auto": "the slow tier, one worker a CPU core (pytest-xdist)",
+    "python -m pytest -q -m slow": "the slow tier",
     "bash .ci/drift": "the drift check under every tested transformers and the newest on PyPI",
 }
 

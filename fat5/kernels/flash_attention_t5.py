@@ -72,9 +72,11 @@ RUNTIME_SCALARS = ["dropout_threshold"]
 HOPPER = {  # wgmma, 227 KB: no spills and no serialised wgmma with triton 3.6
     "forward": ((128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 8, 2)),
     "forward dropout": ((128, 32, 8, 3), (128, 64, 8, 3), (128, 32, 8, 2)),
-    "dkdv": ((64, 64, 4, 2), (64, 64, 4, 2), (64, 32, 8, 2)),
+    # d = 128: 128 query rows a key tile of 32 (under triton 3.9, 64 x 32 spilled 56-84 bytes on 8 warps, and with
+    # dropout 32-96 on 4 warps; none on 128 x 32 under 3.6 or 3.9).
+    "dkdv": ((64, 64, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2)),
     # The dropout mask's Philox rounds need registers that 64 x 64 on 4 warps does not have: 8 warps at d <= 64.
-    "dkdv dropout": ((128, 64, 8, 2), (128, 64, 8, 2), (64, 32, 4, 2)),
+    "dkdv dropout": ((128, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2)),
     # At d = 128 two warpgroups of 64 query rows share each key tile (64 rows on 8 warps computed every exp2 twice
     # and serialised the wgmma; on 4 warps they read each key tile twice as often).
     "dq": ((64, 64, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2)),
@@ -90,7 +92,8 @@ BLACKWELL = {
     "dkdv": ((64, 64, 4, 2), (64, 64, 4, 2), (64, 32, 8, 2)),
     "dkdv dropout": ((64, 64, 8, 2), (64, 64, 8, 2), (64, 64, 8, 2)),
     "dq": ((128, 32, 8, 2), (128, 32, 8, 2), (128, 32, 8, 2)),
-    "dq dropout": ((128, 32, 8, 2), (128, 32, 8, 2), (128, 32, 8, 2)),
+    # d <= 64: one stage (two spilled 24 bytes in the no-bias variant under triton 3.6).
+    "dq dropout": ((128, 32, 8, 2), (128, 32, 8, 1), (128, 32, 8, 2)),
 }
 AMPERE = {  # mma.sync, operands in registers, 99 KB (163 KB on sm_80): 32-wide key tiles
     "forward": ((128, 32, 8, 3), (128, 32, 8, 3), (128, 32, 8, 3)),
@@ -104,7 +107,7 @@ AMPERE = {  # mma.sync, operands in registers, 99 KB (163 KB on sm_80): 32-wide 
 # at d = 128 (32-wide spill 24-164 bytes under triton 3.9), dQ on 32 x 32 at d <= 64 (64 x 32 spilled up to 228).
 RTX_BLACKWELL = dict(AMPERE, forward=((128, 32, 8, 3), (128, 32, 8, 3), (128, 16, 8, 3)),
                      dkdv=((64, 32, 4, 2), (64, 32, 4, 2), (64, 16, 8, 2)),
-                     dq=((32, 32, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2)))
+                     dq=((32, 32, 4, 2), (32, 32, 4, 1), (64, 32, 4, 2)))  # d = 64 packed: 2 stages spilled 16
 RTX_BLACKWELL["forward dropout"] = RTX_BLACKWELL["forward"]
 TURING = {  # no tensor cores in Triton's build (FMA dots hold whole operand rows in registers), 64 KB: small tiles
     # on 8 warps (at d = 128, 16 x 16: one score a thread, or the forward and dQ spill 0.7-2.5 KB)

@@ -650,7 +650,7 @@ def test_dropout_with_dq_tiles_taller_than_key_tiles(monkeypatch, bidirectional)
 # The GPU's tiles: (forward, dK/dV, dQ) (BLOCK_M, BLOCK_N). The interpreter's default 16-wide key tiles take the
 # kernel's half-group branch; these take the 32- and 64-wide ones (one and two Philox groups per row).
 GPU_SIZED_TILES = {"d64": {"forward": (128, 64), "dkdv": (128, 64), "dq": (128, 32)},
-                   "d128": {"forward": (128, 32), "dkdv": (64, 32), "dq": (128, 32)},
+                   "d128": {"forward": (128, 32), "dkdv": (128, 32), "dq": (128, 32)},
                    "mixed": {"forward": (32, 32), "dkdv": (32, 64), "dq": (64, 64)}}
 
 

@@ -21,7 +21,7 @@ spills are those of triton's own ptxas run (TRITON_DUMP_PTXAS_LOG), so the ptxas
 (3.9 ships two, the newer for sm_90 and up) and its options decide them, as on the GPU. A venv for another triton:
 `pip install triton==3.6.0 torch`. Chips without bf16 (sm_75) compile the bf16 variants in fp16 (the kernel refuses
 bf16 there). The kernel module must keep the names this tool reads: _forward_kernel, _backward_dkdv_kernel,
-_backward_dq_kernel, chip_tiles(capability, kernel, head_dim, dropout); adapt VARIANTS/arguments below when they
+_backward_dq_kernel, chip_tiles(capability, kernel, head_dim, dropout, packed); adapt VARIANTS/arguments below when they
 change.
 
 Output: one JSON line per kernel (tag, arch, kernel, config, registers, spill_bytes, smem, smem_limit, fits, error,
@@ -83,7 +83,7 @@ POINTER = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 KERNELS = {"forward": "_forward_kernel", "dkdv": "_backward_dkdv_kernel", "dq": "_backward_dq_kernel"}
 
 
-def blocks(arch, head_dim, kernel, dropout=False):
+def blocks(arch, head_dim, kernel, dropout=False, packed=False):
     """The kernel's tiles ("forward", "dkdv" or "dq") on the chip, or the BLOCKS override of them."""
     override = os.environ.get("BLOCKS")
     if override:
@@ -91,7 +91,7 @@ def blocks(arch, head_dim, kernel, dropout=False):
         for key in {"forward": ("fwd",), "dkdv": ("dkdv", "bwd"), "dq": ("dq", "bwd")}[kernel]:
             if key in parts:
                 return tuple(int(x) for x in parts[key].split(","))
-    return K.chip_tiles(arch, kernel, head_dim, dropout)
+    return K.chip_tiles(arch, kernel, head_dim, dropout, packed)
 
 
 def loops(sass):
@@ -166,7 +166,7 @@ def variant(arch, tag, dtype="bf16", head_dim=64, bias=1, causal=False, kmask=Fa
     results = []
     for kernel, name in KERNELS.items():
         fn = getattr(K, name)
-        bm, bn, warps, stages = blocks(arch, head_dim, kernel, dropout)
+        bm, bn, warps, stages = blocks(arch, head_dim, kernel, dropout, varlen)
         signature = {n: "i32" for n in fn.arg_names}
         signature.update({n: pointer for n in ("Q", "K", "V", "Out", "DO", "DK", "DV", "DQ")})
         signature.update(LSE="*fp32", DELTA="*fp32", DLUT="*fp32", LUT="*fp32", SLOPES="*fp32", KMASK="*fp32",

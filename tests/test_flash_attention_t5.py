@@ -205,9 +205,9 @@ def test_dq_query_tiles_taller_than_key_tiles(monkeypatch, bidirectional):
     default_blocks = kernel_module._blocks
     kernels = []
 
-    def blocks(head_dim, kernel, device, dropout=False):
+    def blocks(head_dim, kernel, device, dropout=False, packed=False):
         kernels.append(kernel)
-        return (32, 16, 1, 1) if kernel == "dq" else default_blocks(head_dim, kernel, device, dropout)
+        return (32, 16, 1, 1) if kernel == "dq" else default_blocks(head_dim, kernel, device, dropout, packed)
 
     monkeypatch.setattr(kernel_module, "_blocks", blocks)
     past = 0 if bidirectional else 9
@@ -635,8 +635,8 @@ def test_dropout_with_dq_tiles_taller_than_key_tiles(monkeypatch, bidirectional)
     """The near band's per-diagonal table gradient with dropout, on 32 x 16 dQ tiles (GPU dQ tiles are 128 x 32)."""
     default_blocks = kernel_module._blocks
 
-    def blocks(head_dim, kernel, device, dropout=False):
-        return (32, 16, 1, 1) if kernel == "dq" else default_blocks(head_dim, kernel, device, dropout)
+    def blocks(head_dim, kernel, device, dropout=False, packed=False):
+        return (32, 16, 1, 1) if kernel == "dq" else default_blocks(head_dim, kernel, device, dropout, packed)
 
     monkeypatch.setattr(kernel_module, "_blocks", blocks)
     past = 0 if bidirectional else 9
@@ -661,7 +661,7 @@ GPU_SIZED_TILES = {"d64": {"forward": (128, 64), "dkdv": (128, 64), "dq": (128, 
 def test_dropout_on_gpu_sized_tiles(monkeypatch, tiles, causal):
     """The same mask whatever the tiles (it is a function of the pair alone): forward and backward on the GPU's
     32- and 64-wide key tiles, against the reference, on ragged lengths with padding."""
-    def blocks(head_dim, kernel, device, dropout=False):
+    def blocks(head_dim, kernel, device, dropout=False, packed=False):
         return (*GPU_SIZED_TILES[tiles][kernel], 1, 1)
 
     monkeypatch.setattr(kernel_module, "_blocks", blocks)
@@ -947,8 +947,9 @@ def test_every_chips_tiles_are_valid_and_unlisted_chips_take_the_generation_belo
     for capability in kernel_module.TILES:
         for kernel in ("forward", "dkdv", "dq"):
             for head_dim in kernel_module.HEAD_DIMS:
-                for dropout in (False, True):
-                    block_m, block_n, warps, stages = kernel_module.chip_tiles(capability, kernel, head_dim, dropout)
+                for dropout, packed in ((False, False), (True, False), (False, True), (True, True)):
+                    block_m, block_n, warps, stages = kernel_module.chip_tiles(capability, kernel, head_dim, dropout,
+                                                                               packed)
                     assert all(x >= 16 and x & (x - 1) == 0 for x in (block_m, block_n)), (capability, kernel)
                     assert block_n <= kernel_module.KEY_MASK_PAD and warps in (1, 2, 4, 8) and stages >= 1
                     assert kernel != "dq" or block_m % block_n == 0, (capability, head_dim, dropout)

@@ -81,6 +81,10 @@ HOPPER = {  # wgmma, 227 KB: no spills and no serialised wgmma with triton 3.6
     # and serialised the wgmma; on 4 warps they read each key tile twice as often).
     "dq": ((64, 64, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2)),
     "dq dropout": ((128, 32, 8, 2), (128, 32, 8, 2), (128, 32, 8, 2)),
+    # Packed rows (varlen) at d = 64 take the dropout tiles: under triton 3.9 the sequence bounds' registers made
+    # 64 x 64 on 4 warps spill (dK/dV 16 bytes, dQ 56); these spill nothing under 3.6 or 3.9.
+    "dkdv packed": ((64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2)),
+    "dq packed": ((64, 64, 4, 2), (128, 32, 8, 2), (128, 32, 8, 2)),
 }
 # tcgen05, 227 KB: Hopper's tiles but where they spill there (triton 3.6 / 3.9): dQ on 128 x 32, 8 warps, at d <= 64
 # (64 x 64 on 4 warps spilled 124 bytes); with dropout the forward on 128 x 32 at d = 64 (128 x 64 spilled 8 bytes
@@ -122,12 +126,16 @@ TURING = {  # no tensor cores in Triton's build (FMA dots hold whole operand row
 TILES = {75: TURING, 80: AMPERE, 86: AMPERE, 89: AMPERE, 90: HOPPER, 100: BLACKWELL, 120: RTX_BLACKWELL}
 
 
-def chip_tiles(capability, kernel, head_dim, dropout=False):
+def chip_tiles(capability, kernel, head_dim, dropout=False, packed=False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of `kernel` ("forward", "dkdv" or "dq") at `head_dim` on a GPU of
-    compute capability `capability` (major * 10 + minor, e.g. 86)."""
+    compute capability `capability` (major * 10 + minor, e.g. 86), with attention dropout or for packed rows
+    (varlen: a chip's "<kernel> packed" tiles where its table has them, else its tiles without dropout)."""
     known = [key for key in TILES if key <= capability] or [min(TILES)]
+    table = TILES[max(known)]
     column = 0 if head_dim <= 32 else 1 if head_dim <= 64 else 2
-    return TILES[max(known)][kernel + (" dropout" if dropout else "")][column]
+    if dropout:
+        return table[f"{kernel} dropout"][column]
+    return table.get(f"{kernel} packed" if packed else kernel, table[kernel])[column]
 
 
 # (major, minor) compute capability of each CUDA device, asked once (the query costs microseconds on every call).
@@ -141,12 +149,12 @@ def _capability(device):
     return capability
 
 
-def _blocks(head_dim, kernel, device, dropout=False):
+def _blocks(head_dim, kernel, device, dropout=False, packed=False):
     """The tiles of `kernel` on `device`: small ones in the CPU interpreter, the chip's (chip_tiles) on a GPU."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return 16, 16, 1, 1
     major, minor = _capability(device)
-    return chip_tiles(major * 10 + minor, kernel, head_dim, dropout)
+    return chip_tiles(major * 10 + minor, kernel, head_dim, dropout, packed)
 
 
 def _cdiv(numerator, denominator):
@@ -851,7 +859,7 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     common = dict(MAX_DIST=max_dist, BIAS_TYPE=bias_type, CAUSAL=causal, HAS_KMASK=key_mask is not None,
                   IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], DOT_PRECISION=_dot_precision(query.dtype),
                   DROPOUT=dropout)
-    block_m, block_n, warps, stages = _blocks(query.shape[-1], "dkdv", query.device, dropout)
+    block_m, block_n, warps, stages = _blocks(query.shape[-1], "dkdv", query.device, dropout, varlen)
     delta = _new_output(lse.shape, lse)
     _backward_delta_kernel[(batch * heads, _cdiv(seqlen_q, block_m))](
         out, grad_out, delta, cu_q, *_layout(out, varlen), *_layout(grad_out, varlen), *_lse_strides(lse, varlen),
@@ -864,7 +872,7 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
         query, key, value, grad_out, lse, delta, dk, dv, lut, slopes, mask, cu_q, cu_k, seed,
         *strides, *_layout(dk, varlen), *_layout(dv, varlen), *scalars,
         **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-    block_m, block_n, warps, stages = _blocks(query.shape[-1], "dq", query.device, dropout)
+    block_m, block_n, warps, stages = _blocks(query.shape[-1], "dq", query.device, dropout, varlen)
     _backward_dq_kernel[(batch * heads, _cdiv(seqlen_q, block_m))](
         query, key, value, grad_out, lse, delta, dq, dlut, lut, slopes, mask, cu_q, cu_k, seed,
         *strides, *_layout(dq, varlen), *scalars,

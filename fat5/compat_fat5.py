@@ -21,10 +21,11 @@ from transformers.utils import is_torchdynamo_compiling, logging
 logger = logging.get_logger(__name__)
 
 # The transformers releases FAT5 is tested with: CI runs the drift check (tests/test_drift.py) on each and the whole
-# suite on the oldest and the newest. A later patch release of one of these series (5.24.1) counts as tested; any
-# other release does not. pyproject.toml admits exactly these (tests/test_drift.py checks it), and every exported
-# folder records them in config.json (`tested_transformers`) and in its model card.
-TESTED_TRANSFORMERS = ("4.57.6", "5.23.0", "5.24.0")
+# suite on the oldest and the newest. A later patch release of one of these series (5.25.1) counts as tested; any
+# other release does not. pyproject.toml admits these and every later release (lower bounds only: a user's newest
+# transformers is never downgraded), and FAT5 logs one line under a release not listed here. Every exported folder
+# records them in config.json (`tested_transformers`) and in its model card.
+TESTED_TRANSFORMERS = ("4.57.6", "5.23.0", "5.24.0", "5.25.0")
 
 # transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache` (the old name is
 # deprecated there). FAT5 returns the cache under the installed transformers' name and accepts either name as input

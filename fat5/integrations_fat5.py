@@ -16,9 +16,15 @@ has imported; none is imported here. What each entry gives:
 
 The two exporters take only models T5's own computation describes (`t5_computation_problem`), and refuse others in
 one line. A library whose table has moved is left as it is (it then refuses FAT5 folders, as before), with one
-warning. Exported with the model code: it imports only the standard library (each library when it is registered).
+warning.
+
+Exported with the model code, so it names no optional library in an import statement: loading a model by Hub id,
+transformers reads every import statement of every shipped file and demands each library it names, even one imported
+inside a function (`transformers.dynamic_module_utils.check_imports`). The libraries a registration needs are
+already imported when it runs (it runs only for modules in `sys.modules`), and `importlib` fetches them by name.
 """
 
+import importlib
 import logging
 import sys
 
@@ -75,8 +81,8 @@ def register_with_sentence_transformers(module, config_class):
 
 def register_optimum_onnx_config(module=None, config_class=None):
     """Export model type "fat5" with optimum's T5 ONNX config, refusing a FAT5 model it does not describe."""
-    from optimum.exporters.onnx.model_configs import T5OnnxConfig
-    from optimum.exporters.tasks import TasksManager
+    T5OnnxConfig = importlib.import_module("optimum.exporters.onnx.model_configs").T5OnnxConfig
+    TasksManager = importlib.import_module("optimum.exporters.tasks").TasksManager
 
     class FAT5OnnxConfig(T5OnnxConfig):
         def __init__(self, config, *args, **kwargs):
@@ -90,7 +96,7 @@ def register_with_ctranslate2(module, config_class):
     """Convert FAT5Config with CTranslate2's T5 loader (its umT5 loader's stacks and vocabulary for a bias table
     per layer), loading the model through AutoModelForSeq2SeqLM, with the decoder-output rescale FAT5's config
     states (CTranslate2's T5 loader infers it from the tying) and T5's attention attribute names."""
-    from ctranslate2.specs.model_spec import OPTIONAL
+    OPTIONAL = importlib.import_module("ctranslate2.specs.model_spec").OPTIONAL
 
     t5_loader, umt5_loader = module.T5Loader, getattr(module, "UMT5Loader", None)
 

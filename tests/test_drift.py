@@ -28,7 +28,7 @@ from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
 from convert.flan_to_fat5 import main as convert_main
 from fat5 import FAT5ForConditionalGeneration, compat_fat5
 from fat5.compat_fat5 import CACHE_NAME, TESTED_TRANSFORMERS
-from isolated import run_isolated
+from isolated import assert_every_class_is_the_folders_code, load_by_id, publish_to_hub_cache, run_isolated
 from t5_checkpoints import COMMON, FAMILIES, make_t5_checkpoint, padded_batch
 
 LOGITS_RTOL = 1e-5  # relative to the largest logit: fp32 sums in another order
@@ -264,6 +264,19 @@ def test_exported_demo_answers_in_a_fresh_process_in_every_mode_and_warns_no_mor
                                                                  for text in allowed)] == []
 
 
+def test_the_demo_pushed_to_the_hub_loads_by_its_id_with_only_fat5s_dependencies(tmp_path, monkeypatch):
+    """As a Hub user loads a pushed model, by id (transformers then checks every shipped file's imports), in an
+    environment holding only what `pip install fat5` installs: every Auto class, the tokenizer, generate and the
+    pipeline (tests/test_hub_id.py does this for fine-tuned, LoRA-merged and pretrained folders, and the tools)."""
+    folder = tmp_path / "demo-fat5"
+    assert convert_main([str(DEMO_CHECKPOINT), str(folder), "--no-verify"]) == 0
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    repo = publish_to_hub_cache(tmp_path / "hub", "someone/demo-fat5", folder)
+    entry = load_by_id([repo], [prompt for prompt, _ in DEMO_PROMPTS], tmp_path)[repo]
+    assert_every_class_is_the_folders_code(entry)
+    assert entry["generate"] == entry["pipeline"] == [answer for _, answer in DEMO_PROMPTS]
+
+
 # -- which transformers FAT5 admits ---------------------------------------------------------------------------------
 
 def admitted_transformers():
@@ -273,36 +286,40 @@ def admitted_transformers():
                 if requirement.name == "transformers" and requirement.marker is None)
 
 
-def test_pyproject_admits_exactly_the_tested_releases():
-    """The policy: pip installs FAT5 only beside a transformers release it is tested with (or a later patch of one)."""
+def test_pyproject_admits_the_tested_releases_and_every_later_one():
+    """The policy (docs/contributing.md): lower bounds only. pip installs FAT5 beside every tested release (and its
+    later patches) and beside any later release, so a user's newest transformers is never downgraded (FAT5 says in
+    one line that it is untested there); never beside an older release nor a 5.x series before the tested ones."""
     admitted = admitted_transformers()
     assert all(admitted.contains(version) for version in TESTED_TRANSFORMERS)
+    assert not any(bound.operator in ("<", "<=", "==", "~=") for bound in admitted)
     for version in TESTED_TRANSFORMERS:
         major, minor, patch, _ = compat_fat5.release(version)
         assert admitted.contains(f"{major}.{minor}.{patch + 7}")  # a later patch release
-        if patch:
-            assert not admitted.contains(f"{major}.{minor}.{patch - 1}")
     newest = compat_fat5.release(TESTED_TRANSFORMERS[-1])
-    untested = ["4.56.2", f"{newest[0]}.{newest[1] + 1}.0", f"{newest[0] + 1}.0.0"]
+    for later in (f"{newest[0]}.{newest[1] + 1}.0", f"{newest[0]}.{newest[1] + 9}.2", f"{newest[0] + 1}.0.0"):
+        assert admitted.contains(later) and not compat_fat5.is_tested(later), later
     tested_series = {compat_fat5.release(version)[:2] for version in TESTED_TRANSFORMERS}
-    untested += [f"5.{minor}.0" for minor in range(newest[1]) if (5, minor) not in tested_series]
-    for version in untested:
+    oldest = compat_fat5.release(TESTED_TRANSFORMERS[0])
+    older = ["4.56.2", f"{oldest[0]}.{oldest[1]}.{oldest[2] - 1}"]
+    older += [f"5.{minor}.0" for minor in range(newest[1]) if (5, minor) not in tested_series]
+    for version in older:
         assert not admitted.contains(version), version
         assert not compat_fat5.is_tested(version), version
     # pip takes a pre-release only when asked (--pre); FAT5 calls it untested.
     assert not compat_fat5.is_tested(f"{newest[0]}.{newest[1]}.0rc1")
 
 
-def test_pyproject_admits_torch_from_the_readmes_release_up_to_a_checked_one():
-    """pip installs FAT5 beside the torch every test runs on (the README's) up to the newest `.ci/drift-torch`
-    checks, never an older one nor one up to the next major."""
+def test_pyproject_admits_torch_from_the_readmes_release_up():
+    """pip installs FAT5 beside the torch every test runs on (the README's) and every later one, never an older
+    one: lower bounds only (`.ci/drift-torch` checks the newest pip finds)."""
     repo = Path(__file__).resolve().parent.parent
     pinned = re.search(r"pip install torch==(\d+\.\d+\.\d+) &&", (repo / "README.md").read_text()).group(1)
     major, minor, _, _ = compat_fat5.release(pinned)
     torch = Requirement(re.search(r'^ *"(torch\b[^"]*)"', (repo / "pyproject.toml").read_text(), re.M).group(1))
     assert torch.specifier.contains(pinned) and not torch.specifier.contains(f"{major}.{minor - 1}.0")
-    assert any(bound.operator == "<" for bound in torch.specifier)
-    assert not torch.specifier.contains(f"{major + 1}.0.0")
+    assert all(bound.operator == ">=" for bound in torch.specifier)
+    assert torch.specifier.contains(f"{major}.{minor + 2}.0") and torch.specifier.contains(f"{major + 1}.0.0")
 
 
 def test_an_untested_transformers_is_named_once_in_one_line(caplog):

@@ -50,6 +50,7 @@ from .compat_fat5 import (
     static_cache_max_length,
 )
 from .configuration_fat5 import FAT5Config
+from .kernels.feed_forward import ACTIVATIONS, feed_forward_act
 from .loss_fat5 import linear_cross_entropy, seq2seq_lm_loss
 from .peft_fat5 import register_fat5_with_peft
 from .pickling_fat5 import PicklesWithItsCode
@@ -80,10 +81,12 @@ def t5_embedding(num_embeddings, embedding_dim, init_std):
 
 def to_weight_dtype(hidden_states, linear):
     """`hidden_states` in the dtype of `linear`'s weight (wo may be kept in fp32 by `_keep_in_fp32_modules` while
-    the rest runs in fp16). Quantized layers take their input as it is: torch's dynamic quantization makes
-    `weight` a method, int8 layers (bitsandbytes) cast themselves."""
+    the rest runs in fp16). Under autocast the matmul runs in autocast's dtype whatever the input's, so a cast here
+    would only be undone: the input is left as it is. Quantized layers take their input as it is: torch's dynamic
+    quantization makes `weight` a method, int8 layers (bitsandbytes) cast themselves."""
     weight = linear.weight
-    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+    if (isinstance(weight, torch.Tensor) and weight.is_floating_point() and weight.dtype != hidden_states.dtype
+            and not torch.is_autocast_enabled(hidden_states.device.type)):
         return hidden_states.to(weight.dtype)
     return hidden_states
 
@@ -105,16 +108,35 @@ class FAT5LayerNorm(nn.Module):
         return t5_rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
+# transformers' activations FAT5's fused op does not compute (any other name of ACT2FN), one instance each. Called,
+# never registered as a submodule: transformers 5.25's `kernelize` replaces the forward of every activation module it
+# finds in a model, which would change FAT5's computation behind its back.
+_OTHER_ACTIVATIONS = {}
+
+
+def activation_and_dropout(hidden, gate, activation, dropout):
+    """dropout(act(hidden) * gate) (gate None: dropout(act(hidden))), the feed-forward between its matmuls: one op
+    each way (`feed_forward_act`) for the activations it computes, transformers' activation and nn.Dropout for the
+    others. `dropout`: the layer's nn.Dropout, whose p applies in training."""
+    if activation in ACTIVATIONS:
+        return feed_forward_act(hidden, gate, activation=activation, dropout_p=dropout.p if dropout.training else 0.0)
+    act = _OTHER_ACTIVATIONS.get(activation)
+    if act is None:
+        act = _OTHER_ACTIVATIONS[activation] = ACT2FN[activation]
+    hidden = act(hidden)
+    return dropout(hidden if gate is None else hidden * gate)
+
+
 class FAT5DenseActDense(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.wi = t5_linear(config.d_model, config.d_ff, init_std=config.d_model**-0.5)
         self.wo = t5_linear(config.d_ff, config.d_model, init_std=config.d_ff**-0.5)
         self.dropout = nn.Dropout(config.dropout_rate)
-        self.act = ACT2FN[config.dense_act_fn]
+        self.activation = config.dense_act_fn
 
     def forward(self, hidden_states):
-        hidden_states = self.dropout(self.act(self.wi(hidden_states)))
+        hidden_states = activation_and_dropout(self.wi(hidden_states), None, self.activation, self.dropout)
         return self.wo(to_weight_dtype(hidden_states, self.wo))
 
 
@@ -125,11 +147,11 @@ class FAT5DenseGatedActDense(nn.Module):
         self.wi_1 = t5_linear(config.d_model, config.d_ff, init_std=config.d_model**-0.5)
         self.wo = t5_linear(config.d_ff, config.d_model, init_std=config.d_ff**-0.5)
         self.dropout = nn.Dropout(config.dropout_rate)
-        self.act = ACT2FN[config.dense_act_fn]
+        self.activation = config.dense_act_fn
 
     def forward(self, hidden_states):
-        hidden_states = self.act(self.wi_0(hidden_states)) * self.wi_1(hidden_states)
-        hidden_states = self.dropout(hidden_states)
+        hidden_states = activation_and_dropout(self.wi_0(hidden_states), self.wi_1(hidden_states), self.activation,
+                                               self.dropout)
         return self.wo(to_weight_dtype(hidden_states, self.wo))
 
 

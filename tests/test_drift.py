@@ -277,6 +277,24 @@ def test_the_demo_pushed_to_the_hub_loads_by_its_id_with_only_fat5s_dependencies
     assert entry["generate"] == entry["pipeline"] == [answer for _, answer in DEMO_PROMPTS]
 
 
+def test_kernelize_leaves_a_loaded_fat5_model_as_it_is(converted):
+    """transformers 5.25 runs the `kernels` library's `kernelize` over every model from_pretrained loads (use_kernels
+    defaults to on) and again at train()/eval(): it finds no module of a FAT5 model to replace (none carries a
+    Hub-kernel layer name), so the model computes what it computes with use_kernels=False. (Releases without
+    kernelize: nothing to check.)"""
+    _, model = converted["flan-t5"]
+    assert [name for name, module in model.named_modules() if hasattr(module, "kernel_layer_name")] == []
+    if not hasattr(model, "set_use_kernels"):
+        return
+    folder = model.config._name_or_path
+    plain = AutoModelForSeq2SeqLM.from_pretrained(folder, trust_remote_code=True, use_kernels=False).eval()
+    batch = padded_batch(model.config.vocab_size)
+    model.train(), model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, plain(**batch).logits)
+    assert all("forward" not in vars(module) for module in model.modules())
+
+
 # -- which transformers FAT5 admits ---------------------------------------------------------------------------------
 
 def admitted_transformers():

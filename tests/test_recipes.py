@@ -10,6 +10,7 @@ import csv
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -204,6 +205,59 @@ def test_translation_bleu_chrf_and_predictions_csv(demo_fat5, data, tmp_path):
         expected = list(csv.DictReader(f, delimiter="\t"))
     assert list(rows[0]) == ["source", "reference", "prediction"]
     assert [(r["source"], r["reference"]) for r in rows] == [(e["en"], e["xx"]) for e in expected]
+
+
+def test_packing_trains_the_same_examples_in_fewer_rows_and_says_what_it_saved(demo_fat5, data, tmp_path, caplog):
+    """--packing: every batch holds the examples of the unpacked batch (same sampler, same steps) in rows of up to
+    --max_source_length input and --max_target_length target tokens, kept apart by segment ids, so the first
+    step's loss is the unpacked one (a mean over the same target tokens); the log says how much padding packing
+    removed; evaluation and prediction still generate one example a row."""
+    rng = random.Random(2)  # lengths from 1 to 30 words: padding to a batch's longest wastes most of a batch
+    rows = [{"en": " ".join(rng.choice(WORDS) for _ in range(rng.choice([1, 2, 3, 30]))), "xx": ""} for _ in range(24)]
+    for row in rows:
+        row["xx"] = " ".join(CIPHER[word] for word in row["en"].split())
+    data = {**data, "translation_train": write(tmp_path / "varied.tsv", rows)}
+    unpacked = run_recipe("translation", demo_fat5, data, tmp_path / "unpacked", "--max_target_length", "64",
+                          do=("--do_train",))
+    with caplog.at_level("INFO", logger="recipes"):
+        packed = run_recipe("translation", demo_fat5, data, tmp_path / "packed", "--packing", "--max_target_length",
+                            "64")
+    assert losses(packed)[0] == pytest.approx(losses(unpacked)[0], rel=1e-5)
+    assert_loss_falls(packed)
+    [summary] = [record.getMessage() for record in caplog.records if record.getMessage().startswith("packing:")]
+    assert re.fullmatch(r"packing: \d+% of the tokens trained on were padding, \d+% one example a row "
+                        r"\([\d,]+ padding tokens of [\d,]+ removed\)", summary), summary
+    packed_share, unpacked_share = map(int, re.findall(r"(\d+)%", summary))
+    assert packed_share < unpacked_share
+    assert all(0 <= entry["padding_fraction"] < 1 for entry in packed.state.log_history if "loss" in entry)
+    scores = metrics(tmp_path / "packed", "test")
+    assert 0 <= scores["test_bleu"] <= 100
+    with open(tmp_path / "packed" / "predictions.csv", newline="") as f:
+        assert len(list(csv.DictReader(f))) == 9
+
+
+def test_packing_is_refused_in_one_line_where_examples_cannot_be_kept_apart(demo_fat5, data, tmp_path, capsys):
+    t5_folder = str(REPO / "convert" / "demo_t5")  # transformers' T5: no segment ids
+    recipe, args, _ = RECIPES["translation"](t5_folder, data, str(tmp_path / "t5"))
+    line = error_line(capsys, translation.main, [*args, *TRAINER_FLAGS, "--do_train", "--packing"])
+    assert line == ("error: --packing needs a FAT5 model, which keeps packed examples apart: "
+                    "T5ForConditionalGeneration cannot (convert it first: fat5 convert FOLDER OUT)")
+    recipe, args, evaluation = RECIPES["classify_classifier"](demo_fat5, data, str(tmp_path / "head"))
+    line = error_line(capsys, classify.main, [*args, *TRAINER_FLAGS, "--do_train", "--packing"])
+    assert line.startswith("error: --packing: the classifier head (--head classifier) scores one example a row")
+    recipe, args, evaluation = RECIPES["translation"](demo_fat5, data, str(tmp_path / "eval"))
+    line = error_line(capsys, translation.main, [*args, *evaluation, *TRAINER_FLAGS, "--do_eval", "--packing"])
+    assert line.startswith("error: --packing has no effect without --do_train")
+
+
+@pytest.mark.slow
+def test_torch_compile_trains_the_recipe(demo_fat5, data, tmp_path):
+    """transformers' own --torch_compile compiles the model (FAT5's kernels are custom ops: one graph, no break);
+    aot_eager here, as Inductor's C++ build would take minutes on a small CPU."""
+    trainer = run_recipe("translation", demo_fat5, data, tmp_path / "out", "--torch_compile", "--torch_compile_backend",
+                         "aot_eager", do=("--do_train",))
+    assert_loss_falls(trainer)
+    assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
 @pytest.mark.slow

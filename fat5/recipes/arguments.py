@@ -70,6 +70,10 @@ class DataArguments:
     max_train_samples: int | None = field(default=None, metadata={"help": "use only the first N training rows"})
     max_eval_samples: int | None = field(default=None, metadata={"help": "use only the first N eval rows"})
     max_predict_samples: int | None = field(default=None, metadata={"help": "use only the first N test rows"})
+    packing: bool = field(default=False, metadata={
+        "help": "train on packed rows: the examples of a batch share rows of up to --max_source_length input and "
+                "--max_target_length target tokens, kept apart by FAT5's segment ids (same examples per step, less "
+                "padding; evaluation and prediction keep one example a row)"})
 
     def __post_init__(self):
         require_positive(self, "max_source_length", "max_target_length", "max_train_samples", "max_eval_samples",

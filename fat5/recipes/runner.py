@@ -5,6 +5,7 @@ metric and, for a classification head, the class names.
 Every input is read and checked before the model loads, so bad input costs seconds and ends with one `error:` line.
 """
 
+import inspect
 import json
 import logging
 import sys
@@ -40,6 +41,7 @@ from fat5.recipes.data import load_dataset_splits, read_table, write_predictions
 from fat5.training.finite import check_finite_weights
 from fat5.training.flags import check_trainer_values, given_flags, parse, parser
 from fat5.training.model_card import ModelCardTrainerMixin, RunCard, command_line
+from fat5.training.packing import PackedSeq2SeqCollator, PackedTrainingMixin
 from fat5.training.quiet import quiet_trainer_run
 from fat5.training.run_folder import (
     TRAINING_SETTINGS,
@@ -75,9 +77,10 @@ class RecipeTrainingArguments(TrainingArguments, RunFolderArguments):
     _argument_group_name = "Trainer options (transformers' TrainingArguments)"
 
 
-class RecipeTrainer(ModelCardTrainerMixin, RunFolderTrainerMixin, Trainer):
-    """Trainer whose checkpoints are atomic and belong to this run (fat5/training/run_folder.py), and whose pushes
-    carry the run's model card (fat5/training/model_card.py)."""
+class RecipeTrainer(ModelCardTrainerMixin, RunFolderTrainerMixin, PackedTrainingMixin, Trainer):
+    """Trainer whose checkpoints are atomic and belong to this run (fat5/training/run_folder.py), whose pushes
+    carry the run's model card (fat5/training/model_card.py), and whose training batches may be packed rows
+    (--packing: fat5/training/packing.py)."""
 
 
 def recipe_dataclasses(recipe):
@@ -99,6 +102,9 @@ def check_flags(recipe, data_args, format_args, training_args, classes):
         for flag in ("resume_from_checkpoint", "overwrite_output_dir", "resume_with_changed_settings"):
             if getattr(training_args, flag):
                 raise CommandError(f"--{flag} has no effect without --do_train")
+        if data_args.packing:
+            raise CommandError("--packing has no effect without --do_train (evaluation and prediction take one "
+                               "example a row)")
     if not recipe.seq2seq and training_args.do_predict:
         raise CommandError("--do_predict: this recipe does not predict; run fat5.recipes.predict on the saved folder")
     for split, do_flag in SPLITS.items():
@@ -108,6 +114,9 @@ def check_flags(recipe, data_args, format_args, training_args, classes):
             if getattr(data_args, flag) is not None:
                 raise CommandError(f"--{flag} has no effect without --{do_flag}")
     format_args.check_effect(getattr(data_args, flag) for flag in FILE_FLAGS.values())
+    if data_args.packing and classes is not None:
+        raise CommandError("--packing: the classifier head (--head classifier) scores one example a row; pack with "
+                           "--head text, or train without --packing")
     if not recipe.seq2seq:
         return
     generates = classes is None and training_args.predict_with_generate
@@ -250,7 +259,7 @@ def model_line(model, source):
             f"vocabulary {model.config.vocab_size}")
 
 
-class RecipeSeq2SeqTrainer(ModelCardTrainerMixin, RunFolderTrainerMixin, Seq2SeqTrainer):
+class RecipeSeq2SeqTrainer(ModelCardTrainerMixin, RunFolderTrainerMixin, PackedTrainingMixin, Seq2SeqTrainer):
     """Seq2SeqTrainer with the run folder's checkpoints and the run's model card, whose --generation_max_length holds
     even when the model's generation config sets max_new_tokens (which generate() would prefer to Seq2SeqTrainer's
     max_length)."""
@@ -266,6 +275,18 @@ class RecipeSeq2SeqTrainer(ModelCardTrainerMixin, RunFolderTrainerMixin, Seq2Seq
             return gen_kwargs
         # An encoder-decoder's max_length counts the decoder start token.
         return {**gen_kwargs, "max_new_tokens": self.args.generation_max_length - 1}
+
+
+def packing_collator(model, tokenizer, data_args):
+    """The training collator of --packing: the examples of a batch in rows of up to --max_source_length input and
+    --max_target_length target tokens (every encoded example fits them: inputs are truncated to the first, longer
+    targets refused), kept apart by segment ids. Refused, before any training, where they cannot be kept apart."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if "segment_ids" not in inspect.signature(base.forward).parameters:
+        raise CommandError(f"--packing needs a FAT5 model, which keeps packed examples apart: "
+                           f"{type(base).__name__} cannot (convert it first: fat5 convert FOLDER OUT)")
+    return PackedSeq2SeqCollator(tokenizer.pad_token_id, base.config.decoder_start_token_id,
+                                 data_args.max_source_length, data_args.max_target_length, pad_to_multiple_of=8)
 
 
 def decode(tokenizer, ids):
@@ -352,6 +373,8 @@ def train(trainer, tokenizer, model_args, training_args, run_folder):
             trainer.load_without_training(resume)
         else:
             finish(trainer, "train", trainer.train(resume_from_checkpoint=resume).metrics)
+            if summary := trainer.packing_summary() if trainer.train_collator is not None else None:
+                logger.info(summary)
     save(trainer, tokenizer, model_args, training_args)
     run_folder.finish()
 
@@ -468,6 +491,8 @@ def train_evaluate_predict(recipe, model_args, data_args, training_args, classes
         model=model, args=training_args, train_dataset=encoded.get("train"), eval_dataset=encoded.get("validation"),
         processing_class=tokenizer, data_collator=collator,
         compute_metrics=text_metrics(tokenizer, classes, recipe.score) if scores else None)
+    if training_args.do_train and data_args.packing:
+        trainer.train_collator = packing_collator(model, tokenizer, data_args)
     if training_args.do_train:
         trainer.card = run_card(recipe, model_args, data_args, training_args, classes, tables,
                                 command_line(program, argv))

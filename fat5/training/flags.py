@@ -26,7 +26,7 @@ from fat5.files import check_trainer_json_files, read_json_object
 
 # The Trainer flags the --help line names as examples.
 COMMON_TRAINER_FLAGS = ("--output_dir", "--max_steps", "--learning_rate", "--per_device_train_batch_size", "--bf16",
-                        "--save_steps", "--resume_from_checkpoint", "--deepspeed")
+                        "--torch_compile", "--save_steps", "--resume_from_checkpoint", "--deepspeed")
 
 
 @dataclass

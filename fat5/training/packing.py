@@ -75,19 +75,28 @@ def _round_up(length, multiple):
 
 
 class PaddingTracker:
-    """Running count of real and padded tokens (encoder plus decoder), for logging a padding fraction."""
+    """Running count of real and padded tokens (encoder plus decoder), for logging a padding fraction; for packed
+    batches also the tokens the same examples would have taken one a row (`unpacked_tokens`), padded to the
+    longest as `pad_to_multiple_of` says."""
 
-    def __init__(self):
+    def __init__(self, pad_to_multiple_of=None):
         self.real_tokens = 0
         self.total_tokens = 0
+        self.unpacked_tokens = 0
+        self.pad_to_multiple_of = pad_to_multiple_of
 
     def update(self, batch):
-        """Counts a batch from its `attention_mask` and `decoder_attention_mask` (whichever it has)."""
-        for name in ("attention_mask", "decoder_attention_mask"):
+        """Counts a batch from its `attention_mask` and `decoder_attention_mask` (whichever it has), and with
+        `segment_ids`/`decoder_segment_ids` what it would have taken unpacked."""
+        for name, segments in (("attention_mask", "segment_ids"), ("decoder_attention_mask", "decoder_segment_ids")):
             mask = batch.get(name)
-            if mask is not None:
-                self.real_tokens += int(mask.sum())
-                self.total_tokens += mask.numel()
+            if mask is None:
+                continue
+            self.real_tokens += int(mask.sum())
+            self.total_tokens += mask.numel()
+            lengths = segment_lengths(batch[segments]) if segments in batch else mask.sum(-1)
+            if len(lengths):
+                self.unpacked_tokens += len(lengths) * _round_up(int(lengths.max()), self.pad_to_multiple_of)
 
     @property
     def padding_fraction(self):
@@ -116,6 +125,50 @@ class PaddingFractionLoggingMixin:
         if "loss" in logs and tracker is not None and tracker.total_tokens:
             logs["padding_fraction"] = round(tracker.pop(), 4)
         super().log(logs, *args, **kwargs)
+
+
+def segment_lengths(segment_ids):
+    """The token count of every segment of a (B, L) batch of segment ids (0: padding), one entry a segment."""
+    segments = int(segment_ids.max()) + 1 if segment_ids.numel() else 1
+    rows = torch.arange(segment_ids.shape[0], device=segment_ids.device)[:, None] * segments
+    counts = torch.bincount((rows + segment_ids).flatten(), minlength=segment_ids.shape[0] * segments)
+    counts = counts.view(segment_ids.shape[0], segments)[:, 1:].flatten()
+    return counts[counts > 0]
+
+
+class PackedTrainingMixin(PaddingFractionLoggingMixin):
+    """Mixin for `transformers.Trainer` whose training batches are packed rows: `train_collator` (e.g. a
+    `PackedSeq2SeqCollator`) collates the training batches and `data_collator` evaluation's and prediction's (one
+    example a row, as generation needs). A batch holds the examples of an unpacked one (the same
+    per_device_train_batch_size and steps), in fewer rows. Training logs get `padding_fraction`;
+    `packing_summary()` says how much padding packing removed."""
+
+    train_collator = None
+
+    def get_train_dataloader(self):
+        if self.train_collator is None:
+            return super().get_train_dataloader()
+        collator, self.data_collator = self.data_collator, self.train_collator
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.data_collator = collator
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        if not hasattr(self, "packing_tracker"):
+            self.packing_tracker = PaddingTracker(getattr(self.train_collator, "pad_to_multiple_of", None))
+        self.packing_tracker.update(inputs)
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def packing_summary(self):
+        """One line: the padding of the batches trained on, packed and as they would have been one example a row."""
+        tracker = getattr(self, "packing_tracker", None)
+        if tracker is None or not tracker.total_tokens:
+            return None
+        unpacked = 1 - tracker.real_tokens / tracker.unpacked_tokens
+        return (f"packing: {tracker.padding_fraction:.0%} of the tokens trained on were padding, "
+                f"{unpacked:.0%} one example a row ({tracker.unpacked_tokens - tracker.total_tokens:,} padding "
+                f"tokens of {tracker.unpacked_tokens:,} removed)")
 
 
 def padding_fraction(batch):
@@ -283,5 +336,5 @@ def group_by_length(examples, max_tokens, window=10000, length=None, seed=0):
         yield from flush()
 
 
-__all__ = ["PackedSeq2SeqCollator", "PaddingFractionLoggingMixin", "PaddingTracker", "TokenBudgetBatchSampler",
-           "group_by_length", "pack_examples", "padding_fraction"]
+__all__ = ["PackedSeq2SeqCollator", "PackedTrainingMixin", "PaddingFractionLoggingMixin", "PaddingTracker",
+           "TokenBudgetBatchSampler", "group_by_length", "pack_examples", "padding_fraction", "segment_lengths"]

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -39,8 +40,56 @@ SMOKE_SHAPE = dict(vocab_size=128, d_model=32, d_kv=8, d_ff=48, num_layers=2, nu
 T5_ATTENTION = {"t5_eager": "eager", "t5_sdpa": "sdpa", "t5_flex": "flex_attention"}
 
 
+# Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) of the chips a run may land on, by a fragment of
+# torch.cuda.get_device_name(); the first match wins (longer names first). MFU is null on any other device.
+BF16_PEAK_TFLOPS = (("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200", 989), ("B200", 2250),
+                    ("A100", 312), ("L40S", 362), ("L4", 121), ("A10", 125))
+
+
 def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def bf16_peak_tflops():
+    """The dense bf16 peak of this device (BF16_PEAK_TFLOPS), or None."""
+    name = device_name() if torch.cuda.is_available() else ""
+    return next((peak for fragment, peak in BF16_PEAK_TFLOPS if fragment in name), None)
+
+
+def step_flops(shape, batch, encoder_length, decoder_length):
+    """Model FLOPs of one training step of a T5 of `shape` (a config dict) on `batch` examples of `encoder_length`
+    input and `decoder_length` target tokens, counted from the config as docs/benchmarks.md states: every matmul's
+    2 * m * n * k (projections, feed-forward, cross-attention keys and values on the encoder tokens, LM head) three
+    times (forward, and twice that in the backward), attention's QK^T and PV (4 * keys * heads * d_kv a query
+    token, causal rows counted whole) three and a half times (FlashAttention's convention)."""
+    d, d_ff, vocab = shape["d_model"], shape["d_ff"], shape["vocab_size"]
+    inner = shape["num_heads"] * shape["d_kv"]
+    encoder_layers, decoder_layers = shape["num_layers"], shape.get("num_decoder_layers") or shape["num_layers"]
+    ffn = 2 * ((2 if shape.get("feed_forward_proj", "relu").startswith("gated-") else 1) + 1) * d * d_ff
+    encoder_token = encoder_layers * (2 * 4 * d * inner + ffn) + decoder_layers * 2 * 2 * d * inner  # + cross K, V
+    decoder_token = decoder_layers * (2 * 6 * d * inner + ffn) + 2 * d * vocab
+    linear = batch * (encoder_length * encoder_token + decoder_length * decoder_token)
+    attention = batch * 4 * inner * (encoder_length * encoder_layers * encoder_length
+                                     + decoder_length * decoder_layers * (decoder_length + encoder_length))
+    return 3 * linear + 3.5 * attention
+
+
+def mfu(flops, ms):
+    """Model FLOPs utilisation of `flops` done in `ms` on this device, or None where its peak is unknown."""
+    peak = bf16_peak_tflops()
+    return None if peak is None or not ms else round(flops / (ms * 1e-3) / (peak * 1e12), 4)
+
+
+class OpCounter(TorchDispatchMode):
+    """The number of torch ops dispatched while active (views included; a custom op counts one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
 
 
 def device_name():

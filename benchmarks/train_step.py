@@ -8,6 +8,9 @@
 One step = forward with labels (encoder L tokens, decoder 128), backward, AdamW step, gradients set to None.
 Batch = --tokens // L. tokens/s counts encoder tokens (batch x L). Peak memory is above the resting state
 (weights, AdamW state and inputs already allocated), i.e. activations, gradients and the optimizer's transients.
+Each row also has the step's model FLOPs counted from the config (common.step_flops), `mfu` (those FLOPs per second
+over the chip's dense bf16 peak; null where the peak is unknown: docs/benchmarks.md) and `ops` (torch ops one step
+dispatches, views included: the host's share; a compiled step shows what its graph still dispatches).
 Implementations:
     fat5            FAT5 converted from the T5 (Triton attention on CUDA, SDPA on CPU; its default chunked LM
                     loss, so no full fp32 logits: training forwards return logits=None)
@@ -37,7 +40,8 @@ def train_rows(name, model, args, rows, status):
     for length in args.lengths:
         batch = max(1, args.tokens // length)
         row = dict(implementation=name, L=length, batch=batch, decoder_length=args.decoder_length,
-                   tokens_per_s=None, ms=None, peak_mib=None, status=status)
+                   tokens_per_s=None, ms=None, peak_mib=None, mfu=None, ops=None, status=status,
+                   flops=common.step_flops(args.shape, batch, length, args.decoder_length))
         if failed_at is not None:
             rows.append({**row, "status": f"skipped: {failed_at}"})
             continue
@@ -57,7 +61,10 @@ def train_rows(name, model, args, rows, status):
             ms = common.time_ms(step, args.reps, args.warmup + (2 if compiled else 0), args.max_seconds)
             with common.peak_memory() as peak:
                 step()
-            row.update(ms=round(ms, 3), tokens_per_s=round(batch * length / ms * 1e3, 1), peak_mib=peak["mib"])
+            with common.OpCounter() as counter:
+                step()
+            row.update(ms=round(ms, 3), tokens_per_s=round(batch * length / ms * 1e3, 1), peak_mib=peak["mib"],
+                       mfu=common.mfu(row["flops"], ms), ops=counter.ops)
         except Exception as error:  # out of memory, or a peer that cannot run this: a row, not a crash
             row["status"] = common.error_status(error)
             failed_at = f"{row['status'].split(':')[0]} at L={length}"
@@ -65,7 +72,8 @@ def train_rows(name, model, args, rows, status):
         del input_ids, labels, step
         common.release_memory()
         rows.append(row)
-        speed = f"{row['tokens_per_s']:.0f} tok/s {row['ms']:.1f} ms peak {row['peak_mib']} MiB" \
+        speed = (f"{row['tokens_per_s']:.0f} tok/s {row['ms']:.1f} ms peak {row['peak_mib']} MiB "
+                 f"{row['ops']} ops" + (f" MFU {row['mfu']:.1%}" if row["mfu"] is not None else "")) \
             if row["ms"] is not None else ""
         print(f"  {name:16s} L={length:<6d} batch={batch:<4d} {speed} {row['status']}", flush=True)
 
@@ -80,16 +88,19 @@ def markdown(rows, args):
     lines = common.markdown_head(
         "Training step",
         f"shape {args.shape}; {args.dtype}{' autocast' if args.dtype != 'float32' else ''}, {args.tokens} encoder "
-        f"tokens a batch, decoder {args.decoder_length}. Cells: encoder tokens/s (peak MiB above resting; `*`: "
-        "logits differ from the T5's). Ratios: best FAT5 over best transformers T5 (speed), best T5's peak over "
-        "FAT5's (memory).",
+        f"tokens a batch, decoder {args.decoder_length}. Cells: encoder tokens/s (peak MiB above resting, MFU where "
+        "the chip's peak is known, ops a step; `*`: logits differ from the T5's). Ratios: best FAT5 over best "
+        "transformers T5 (speed), best T5's peak over FAT5's (memory).",
         ["L", "batch", *args.impl, "speed fat5 / T5", "memory T5 / fat5"])
     for length in args.lengths:
         cells = []
         for name in args.impl:
             row = next(r for r in rows if r["implementation"] == name and r["L"] == length)
             mark = "*" if row["status"] != "ok" else ""  # timed, but its logits differ from the T5's
-            cells.append(f"{row['tokens_per_s']:.4g}{mark} ({row['peak_mib']})" if row["ms"] is not None
+            extra = "".join(f", {value}" for value in (
+                f"{row['mfu']:.1%}" if row.get("mfu") is not None else None,
+                f"{row['ops']} ops" if row.get("ops") is not None else None) if value)
+            cells.append(f"{row['tokens_per_s']:.4g}{mark} ({row['peak_mib']}{extra})" if row["ms"] is not None
                          else row["status"].split(":")[0])
         batch = max(1, args.tokens // length)
         speed = common.ratio(best(rows, length, "fat5"), best(rows, length, "t5_"))
@@ -170,7 +181,7 @@ def main():
         else:
             rows.extend(dict(implementation=name, L=length, batch=max(1, args.tokens // length),
                              decoder_length=args.decoder_length, tokens_per_s=None, ms=None, peak_mib=None,
-                             status=status) for length in args.lengths)
+                             mfu=None, ops=None, status=status) for length in args.lengths)
         del model
         common.release_memory()
     common.report(rows, markdown(rows, args), args, plot)

@@ -55,6 +55,7 @@ def test_train_step_smoke_compares_fat5_with_transformers_t5(tmp_path):
     for row in rows:
         if row["status"] == "ok":
             assert row["tokens_per_s"] > 0 and row["ms"] > 0 and row["batch"] * row["L"] == 64
+            assert row["flops"] > 0 and row["ops"] > 0 and row["mfu"] is None  # no chip peak on a CPU
     # One table line per L, each ending in the two ratios (speed, memory); the speed ratio is always computed.
     lines = table_rows(stdout, "16 |") + table_rows(stdout, "32 |")
     assert len(lines) == 2
@@ -274,6 +275,29 @@ def test_gpu_plan_keeps_every_row_when_a_step_is_killed(tmp_path):
     assert len(rows) >= 1 and rows == [json.loads(line) for line in written[1:]]
     assert "| goal | figure | status |" in (out / "call1-goals.md").read_text()
     assert "train_step: timeout after 1 s" in log.read_text()
+
+
+def test_step_flops_count_t5_base_as_docs_benchmarks_states():
+    """T5-base, 64 x 512 encoder and 128 decoder tokens: 28.4 TFLOP a step (3 x the matmuls, 3.5 x attention);
+    8 x 4096: 38.1."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import common
+
+    assert common.step_flops(common.V11_BASE, 64, 512, 128) == pytest.approx(28.406e12, rel=1e-4)
+    assert common.step_flops(common.V11_BASE, 8, 4096, 128) == pytest.approx(38.118e12, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_packed_step_and_pretrain_seed_smoke_runs(tmp_path):
+    """The packed-against-padded fine-tuning row and the seed's pretraining loop run end to end at smoke sizes."""
+    stdout, rows = run_smoke("packed_step.py", tmp_path / "packed")
+    padded, packed = rows
+    assert (padded["implementation"], packed["implementation"]) == ("fat5 padded", "fat5 packed")
+    assert packed["padding"] < padded["padding"] and packed["rows_per_step"] < padded["rows_per_step"]
+    assert "packed / padded (useful target tokens/s): " in stdout
+    stdout, rows = run_smoke("pretrain_seed.py", tmp_path / "seed")
+    [row] = rows
+    assert row["status"] == "ok" and row["tokens_per_s"] > 0 and row["vocabulary"] == 384
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without CUDA answers")

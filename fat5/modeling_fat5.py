@@ -51,6 +51,7 @@ from .compat_fat5 import (
 )
 from .configuration_fat5 import FAT5Config
 from .kernels.feed_forward import ACTIVATIONS, feed_forward_act
+from .kernels.residual_rms_norm import residual_rms_norm
 from .loss_fat5 import linear_cross_entropy, seq2seq_lm_loss
 from .peft_fat5 import register_fat5_with_peft
 from .pickling_fat5 import PicklesWithItsCode
@@ -99,7 +100,13 @@ class FAT5LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def forward(self, hidden_states):
+    def forward(self, hidden_states, update=None, dropout=None):
+        """The norm of `hidden_states`; given a sub-layer's `update` (and its nn.Dropout `dropout`), the residual
+        sum hidden_states + dropout(update) and its norm, as one op (`residual_rms_norm`). Called as a module,
+        so hooks that gather or offload the weight (ZeRO-3, accelerate) see it."""
+        if update is not None:
+            return residual_rms_norm(hidden_states, update, self.weight, self.variance_epsilon,
+                                     dropout_p=dropout.p if dropout is not None and dropout.training else 0.0)
         if hidden_states.is_cuda and triton_installed():
             # One fused Triton kernel instead of several elementwise ones; same casting.
             from .kernels.rms_norm import rms_norm
@@ -377,20 +384,29 @@ class FAT5Block(GradientCheckpointingLayer):
 
         `bias_table`: the relative-bias table of the stack's first block, for the blocks that share it. It is a
         positional tensor argument, not a `position` field, so (reentrant) gradient checkpointing tracks it."""
-        attention = self.layer[0].SelfAttention
+        attention_layer = self.layer[0]
+        attention = attention_layer.SelfAttention
         own_table = None
         if hasattr(attention, "relative_attention_bias"):
             # Read through the embedding's forward, not `.weight`, so ZeRO-3 gathers it while this block runs.
             buckets = torch.arange(attention.config.relative_attention_num_buckets, device=hidden_states.device)
             bias_table = own_table = attention.relative_attention_bias(buckets)
-        hidden_states, self_attention_weights = self.layer[0](hidden_states, key_padding_mask, position,
-                                                              cache, bias_table, output_attentions)
+        # Each sub-layer's residual add, its dropout and the next sub-layer's norm run as one op (the next
+        # sub-layer's norm module given the update); the sub-layers' own forwards compute the same in three.
+        crossing = self.is_decoder and encoder_hidden_states is not None
+        update, self_attention_weights = attention(
+            attention_layer.layer_norm(hidden_states), key_padding_mask=key_padding_mask, position=position,
+            cache=cache, bias_table=bias_table, output_attentions=output_attentions)
+        following = self.layer[1] if crossing else self.layer[-1]
+        hidden_states, normed = following.layer_norm(hidden_states, update, attention_layer.dropout)
         cross_attention_weights = None
-        if self.is_decoder and encoder_hidden_states is not None:
-            hidden_states, cross_attention_weights = self.layer[1](
-                hidden_states, encoder_hidden_states, encoder_key_padding_mask, cache, position,
-                output_attentions)
-        hidden_states = self.layer[-1](hidden_states)
+        if crossing:
+            update, cross_attention_weights = following.EncDecAttention(
+                normed, key_value_states=encoder_hidden_states, key_padding_mask=encoder_key_padding_mask,
+                position=position, cache=cache, output_attentions=output_attentions)
+            hidden_states, normed = self.layer[-1].layer_norm(hidden_states, update, following.dropout)
+        feed_forward = self.layer[-1]
+        hidden_states = hidden_states + feed_forward.dropout(feed_forward.DenseReluDense(normed))
         # A table that serves every layer of the stack leaves the block as an output, so sharding engines
         # (FSDP per block, ZeRO-3) route the later layers' gradient back through this block.
         shared_table = None if attention.config.relative_bias_per_layer else own_table

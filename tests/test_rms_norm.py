@@ -77,3 +77,76 @@ def test_op_compiles_in_one_graph():
     compiled(x, weight, EPS).sum().backward()
     close(x.grad, torch.autograd.grad(rms_norm_reference(x, weight, EPS).sum(), x)[0].double(), torch.float32,
           "grad")
+
+
+# -- the residual add, its dropout and the norm as one op (fat5/kernels/residual_rms_norm.py) ----------------------
+
+@pytest.fixture
+def poisoned_residual_outputs(monkeypatch):
+    from fat5.kernels import residual_rms_norm as residual_module
+
+    monkeypatch.setattr(residual_module, "POISON_OUTPUTS", True)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("residual_dtype, update_dtype, weight_dtype", [
+    (torch.float32, torch.float32, torch.float32),
+    (torch.float32, torch.bfloat16, torch.float32),  # bf16 autocast: fp32 stream, bf16 sub-layer outputs
+    (torch.float16, torch.float16, torch.float16),
+    (torch.float32, torch.float16, torch.float16),  # FAT5 in fp16: fp32 stream, fp16 weights
+])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_residual_norm_equals_the_sum_then_the_norm_in_fp64(poisoned_residual_outputs, residual_dtype, update_dtype,
+                                                             weight_dtype, dropout_p, kernel):
+    """hidden = residual + dropout(update) and T5's norm of it, with every gradient (the stream's own and the
+    norm's), against fp64 autograd of the same sum with the op's own mask (read back from a second call with the
+    seed, which must drop the same elements), ragged rows (37 wide)."""
+    from fat5.kernels.residual_rms_norm import residual_rms_norm
+
+    device = KERNEL_DEVICE if kernel else torch.device("cpu")
+    generator = torch.Generator().manual_seed(1)
+    shape = (3, 11, 37)
+    residual = (torch.randn(shape, generator=generator) * 2).to(device, residual_dtype).requires_grad_()
+    update = torch.randn(shape, generator=generator).to(device, update_dtype).requires_grad_()
+    weight = (1 + 0.3 * torch.randn(37, generator=generator)).to(device, weight_dtype).requires_grad_()
+    seed = torch.tensor([11, 12], device=device)
+    hidden, normed = residual_rms_norm(residual, update, weight, EPS, dropout_p=dropout_p, dropout_seed=seed,
+                                       kernel=kernel)
+    ones = torch.ones(shape, device=device, dtype=update_dtype)
+    with torch.no_grad():  # the mask: what the same seed keeps of an update of ones
+        kept = residual_rms_norm(torch.zeros_like(residual), ones, weight, EPS, dropout_p=dropout_p,
+                                 dropout_seed=seed, kernel=kernel)[0] != 0
+    if dropout_p:
+        assert abs(kept.float().mean().item() - (1 - dropout_p)) < 0.05
+    grad_hidden = torch.randn(shape, generator=generator).to(device, hidden.dtype)
+    grad_normed = torch.randn(shape, generator=generator).to(device, normed.dtype)
+    grads = torch.autograd.grad((hidden, normed), (residual, update, weight), (grad_hidden, grad_normed))
+
+    r64, u64, w64 = (t.detach().double().requires_grad_() for t in (residual, update, weight))
+    h64 = r64 + u64 * kept.double() / (1 - dropout_p)
+    n64 = rms_norm_reference(h64, w64, EPS)
+    expected = torch.autograd.grad((h64, n64), (r64, u64, w64), (grad_hidden.double(), grad_normed.double()))
+    assert hidden.dtype == torch.promote_types(residual_dtype, update_dtype)
+    assert normed.dtype == rms_norm_reference(hidden.detach(), weight.detach(), EPS).dtype
+    close(hidden, h64, hidden.dtype, "hidden")
+    close(normed, n64, normed.dtype, "normed")
+    for name, actual, reference, dtype in zip(("residual", "update", "weight"), grads, expected,
+                                              (residual_dtype, update_dtype, weight_dtype)):
+        assert actual.dtype == dtype
+        close(actual, reference, dtype, name)
+
+
+def test_a_block_computes_what_its_sub_layers_compute(tiny_config):
+    """FAT5Block's fused residual norms give what calling each sub-layer's own forward (sum, then norm) gives."""
+    from fat5.modeling_fat5 import FAT5Block
+
+    torch.manual_seed(0)
+    block = FAT5Block(tiny_config(), is_decoder=True, has_relative_attention_bias=True, layer_idx=0).eval()
+    hidden, encoder = torch.randn(2, 5, 32), torch.randn(2, 7, 32)
+    with torch.no_grad():
+        fused = block(hidden, encoder_hidden_states=encoder)[0]
+        table = block.layer[0].SelfAttention.relative_attention_bias.weight
+        step = block.layer[0](hidden, None, None, None, table)[0]
+        step = block.layer[1](step, encoder, None, None)[0]
+        step = block.layer[2](step)
+    assert (fused - step).abs().max() <= 1e-6 * step.abs().max()

@@ -161,9 +161,8 @@ def _launch(kernel, outputs, inputs, kind, gated, dropout_p, seed):
                                      BLOCK=BLOCK)
 
 
-@torch.library.custom_op("fat5::feed_forward_act", mutates_args=())
-def _feed_forward_act(hidden: torch.Tensor, gate: Optional[torch.Tensor], kind: str, dropout_p: float,
-                      seed: Optional[torch.Tensor], kernel: bool) -> torch.Tensor:
+def _forward(hidden: torch.Tensor, gate: Optional[torch.Tensor], kind: str, dropout_p: float,
+             seed: Optional[torch.Tensor], kernel: bool) -> torch.Tensor:
     if not kernel:
         keep = _torch_keep(seed, hidden.shape, dropout_p, hidden.device) if dropout_p > 0.0 else None
         return reference(hidden, gate, kind, keep, 1.0 / (1.0 - dropout_p))
@@ -171,6 +170,9 @@ def _feed_forward_act(hidden: torch.Tensor, gate: Optional[torch.Tensor], kind: 
     _launch(_forward_kernel, (out,), (hidden, hidden if gate is None else gate), kind, gate is not None, dropout_p,
             seed)
     return out
+
+
+_feed_forward_act = torch.library.custom_op("fat5::feed_forward_act", _forward, mutates_args=())
 
 
 @_feed_forward_act.register_fake
@@ -237,11 +239,18 @@ def feed_forward_act(hidden, gate=None, *, activation="gelu_new", dropout_p=0.0,
         dropout_seed = torch.randint(0, 2**62, (2,), dtype=torch.int64, device=hidden.device)
     hidden = hidden if hidden.is_contiguous() else hidden.contiguous()
     gate = gate if gate is None or gate.is_contiguous() else gate.contiguous()
-    if kernel is None:
-        kernel = triton is not None and hidden.is_cuda
-    elif kernel and triton is None:
+    if kernel and triton is None:
         raise ValueError("feed_forward_act(kernel=True) needs triton: pip install triton")
-    return _feed_forward_act(hidden, gate, kind, dropout_p, dropout_seed, bool(kernel))
+    # TorchScript tracing and its ONNX export record the torch body's plain ops (ONNX has no custom op).
+    exporting = torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
+    kernel = False if exporting else (triton is not None and hidden.is_cuda) if kernel is None else kernel
+    # Where no gradient is asked for, run eagerly on plain tensors (inference: generation's decode steps), the body:
+    # the custom op's own dispatch would cost as much as the body on a small batch. Under torch.compile or
+    # torch.export, or on fake or meta tensors, the op.
+    eager = exporting or not (
+        torch.compiler.is_compiling() or hidden.is_meta or type(hidden) is not torch.Tensor
+        or (torch.is_grad_enabled() and (hidden.requires_grad or (gate is not None and gate.requires_grad))))
+    return (_forward if eager else _feed_forward_act)(hidden, gate, kind, dropout_p, dropout_seed, bool(kernel))
 
 
 __all__ = ["ACTIVATIONS", "feed_forward_act", "reference"]

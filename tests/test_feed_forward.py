@@ -22,7 +22,7 @@ from fat5.kernels.feed_forward import ACTIVATIONS, feed_forward_act
 TORCH_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
                      "silu": F.silu}
 # Relative to the largest value compared: the kernel computes in fp32 (fp16 rounds its inputs and output once).
-TOLERANCE = {torch.float32: 2e-6, torch.float16: 2e-3}
+TOLERANCE = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 @pytest.fixture(autouse=True)
@@ -43,13 +43,16 @@ def expected_and_gradients(function, hidden, gate, grad):
     return output.detach(), hidden.grad, (gate.grad if gate is not None else None)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+# bf16 on a GPU only: the interpreter rounds bf16 its own way.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
 def test_forward_and_gradients_equal_fp64_autograd(activation, gated, dtype, kernel):
     if kernel and feed_forward.triton is None:
         pytest.skip("triton is not installed")
+    if dtype == torch.bfloat16 and not torch.cuda.is_available():
+        pytest.skip("bf16 kernels are checked on a GPU")
     torch.manual_seed(0)
     shape = (3, 37, 53)  # 5,883 elements: several blocks, the last one ragged
     hidden = (torch.randn(shape) * 3).to(dtype)  # well into both tails of every activation

@@ -524,6 +524,10 @@ class FAT5PreTrainedModel(PicklesWithItsCode, PreTrainedModel):
     # Every class, and generate's decode step with a static cache, traces as one graph (tests/test_compile.py).
     _can_compile_fullgraph = True
 
+    def post_init(self):
+        register_fat5_with_peft(self.config.model_type)  # PEFT imported since the model code was
+        super().post_init()
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "forward" in vars(cls):

@@ -38,7 +38,7 @@ from fat5.files import (
 from fat5.recipes.arguments import FileFormatArguments, ModelArguments, changed_defaults
 from fat5.recipes.data import load_dataset_splits, read_table, write_predictions
 from fat5.training.finite import check_finite_weights
-from fat5.training.flags import check_trainer_values, given_flags, parse, parser
+from fat5.training.flags import check_trainer_values, flags_file, given_flags, parse, parser
 from fat5.training.model_card import ModelCardTrainerMixin, RunCard, command_line
 from fat5.training.quiet import quiet_trainer_run
 from fat5.training.run_folder import (
@@ -410,8 +410,8 @@ def run_inputs(model_args, data_args, training_args, argv):
     inputs += [RunInput(f"--{flag}", getattr(data_args, flag)) for flag in FILE_FLAGS.values()]
     if isinstance(training_args.deepspeed, str):
         inputs.append(RunInput("--deepspeed", training_args.deepspeed))
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        inputs.append(RunInput("the flags file", argv[0]))
+    if flags_file(argv):
+        inputs.append(RunInput("the flags file", flags_file(argv)))
     return inputs
 
 

@@ -68,6 +68,12 @@ def parse_args(argv):
     if args.z_loss is None:
         args.z_loss = DEFAULTS["z_loss"][start]
     check_trainer_values(training_args)
+    if training_args.eval_strategy != "no" or training_args.do_eval:
+        # (Trainer would stop at its start: it is given no evaluation dataset.)
+        given = f"--eval_strategy {training_args.eval_strategy.value}" if training_args.eval_strategy != "no" \
+            else "--do_eval"
+        raise CommandError(f"{given}: pretraining has no evaluation data (the corpus streams training examples only); "
+                           f"leave --eval_strategy and --do_eval out")
     return args, training_args
 
 

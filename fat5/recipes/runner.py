@@ -31,9 +31,11 @@ from fat5 import register_auto_classes
 from fat5.cli import CommandError, Progress, error_line, write_failures_reported
 from fat5.files import (
     CHECKPOINT_JSON,
+    check_attention_device,
     check_model_folder,
     check_tokenizer_folder,
     pickles_refused,
+    read_json_object,
 )
 from fat5.recipes.arguments import FileFormatArguments, ModelArguments, changed_defaults
 from fat5.recipes.data import load_dataset_splits, read_table, write_predictions
@@ -384,6 +386,9 @@ def fine_tune(recipe, argv=None, progress=None, program="python -m fat5.recipes"
         recipe.check_training(tables["train"], examples["train"][1], data_args)
     check_model_folder(model_args.model_name_or_path)  # before transformers and the tokenizer read it
     check_tokenizer_folder(model_args.model_name_or_path, "--model_name_or_path")
+    if Path(model_args.model_name_or_path, "config.json").is_file():
+        check_attention_device(read_json_object(Path(model_args.model_name_or_path) / "config.json"),
+                               training_args.device.type, f"--model_name_or_path {model_args.model_name_or_path}")
     run_folder = None
     if training_args.do_train:
         run_folder = RunFolder(training_args.output_dir, training_args.resume_from_checkpoint,

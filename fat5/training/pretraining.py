@@ -13,7 +13,13 @@ from transformers.utils.logging import disable_progress_bar
 
 from fat5 import register_auto_classes
 from fat5.cli import CommandError, write_failures_reported
-from fat5.files import CHECKPOINT_JSON, check_model_folder, check_tokenizer_folder, pickles_refused
+from fat5.files import (
+    CHECKPOINT_JSON,
+    check_attention_device,
+    check_model_folder,
+    check_tokenizer_folder,
+    pickles_refused,
+)
 
 from .data import DenoisingDataset, Documents, add_missing_tokens, sentencepiece_pieces, train_sentencepiece
 from .denoising import MIXTURES, DenoisingMixture, sentinel_token_ids
@@ -193,10 +199,12 @@ def pretrain(args, training_args, argv, progress, program=PROG):
     documents.check_not_empty()
     prefixes = sorted({denoiser.prefix for denoiser, _ in MIXTURES[args.mixture] if denoiser.prefix})
     if args.model_name_or_path:
-        rows = checkpoint_config(args.model_name_or_path).get("vocab_size")
+        fields = checkpoint_config(args.model_name_or_path)
+        rows = fields.get("vocab_size")
+        check_attention_device(fields, training_args.device.type, f"--model_name_or_path {args.model_name_or_path}")
     else:
         rows = None
-        model_fields(args.config)
+        check_attention_device(model_fields(args.config), training_args.device.type, f"--config {args.config}")
     tokenizer = given_tokenizer(args, prefixes, rows)
     dataset = None if tokenizer is None else denoising_dataset(args, training_args, documents, tokenizer)
     run_folder = RunFolder(training_args.output_dir, training_args.resume_from_checkpoint,

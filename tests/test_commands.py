@@ -168,6 +168,16 @@ def test_a_conversion_without_its_extra_says_so_before_anything_loads(command, m
                                 f'extra{extra_changes(extra)}: pip install "fat5[{extra}]"'], err
 
 
+def test_a_hub_id_that_cannot_be_had_offline_is_refused_before_torch_loads(tmp_path):
+    """`fat5 convert ORG/NAME OUT` offline once refused the id only after torch and transformers had loaded (18 s)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    status, _, err, heavy = fat5_in_process(["convert", "google/flan-t5-base", tmp_path / "out"], env=env)
+    assert status == EXIT_BAD_INPUT and heavy == [], (err[-2000:], heavy)
+    assert len(err.splitlines()) == 1 and err.startswith("error: SRC google/flan-t5-base is neither a local folder nor "
+                                                         "a downloadable Hub model: "), err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("number, word, status", [(signal.SIGINT, "interrupted", 130),
                                                   (signal.SIGTERM, "terminated", 143)], ids=["ctrl-c", "sigterm"])
 @pytest.mark.parametrize("module", ["fat5.cli", "fat5.recipes.command", "fat5.training.flags", "transformers",

@@ -145,7 +145,7 @@ def assert_model_card(folder, task, results, library="transformers"):
     card = ModelCard.load(Path(folder) / "README.md")
     assert card.data.library_name == library and {"fat5", "custom_code", task} <= set(card.data.tags)
     shown = {(result.dataset_split, result.metric_type): result.metric_value for result in card.data.eval_results or []}
-    expected = {({"eval": "validation"}.get(prefix, prefix), name.removeprefix(prefix + "_")): round(value, 4)
+    expected = {({"eval": "validation"}.get(prefix, prefix), name.removeprefix(prefix + "_")): float(f"{value:.4g}")
                 for prefix, scores in results.items() for name, value in scores.items()
                 if name.removeprefix(prefix + "_") in ("loss", "bleu", "chrf", "accuracy", "rouge1")}
     assert shown.items() >= expected.items() and (expected or not results), (shown, expected)

@@ -40,7 +40,7 @@ from fat5.files import (
 from fat5.recipes.arguments import FileFormatArguments, ModelArguments, changed_defaults
 from fat5.recipes.data import load_dataset_splits, read_table, write_predictions
 from fat5.training.finite import check_finite_weights
-from fat5.training.flags import check_trainer_values, flags_file, given_flags, parse, parser
+from fat5.training.flags import check_trainer_values, checkpointing_flag, flags_file, given_flags, parse, parser
 from fat5.training.model_card import ModelCardTrainerMixin, RunCard, command_line
 from fat5.training.quiet import quiet_trainer_run
 from fat5.training.run_folder import (
@@ -64,7 +64,8 @@ RESUME_ADVICE = "resume from a checkpoint FAT5 wrote instead, or fine-tune its w
 
 
 @dataclass
-class RecipeSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, RunFolderArguments):
+class RecipeSeq2SeqTrainingArguments(*checkpointing_flag(Seq2SeqTrainingArguments), Seq2SeqTrainingArguments,
+                                     RunFolderArguments):
     _argument_group_name = "Trainer options (transformers' Seq2SeqTrainingArguments)"
     # The default this runner uses (train_evaluate_predict), not the one transformers' help names.
     generation_max_length: int | None = field(default=None, metadata={
@@ -73,7 +74,7 @@ class RecipeSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, RunFolderArgument
 
 
 @dataclass
-class RecipeTrainingArguments(TrainingArguments, RunFolderArguments):
+class RecipeTrainingArguments(*checkpointing_flag(TrainingArguments), TrainingArguments, RunFolderArguments):
     _argument_group_name = "Trainer options (transformers' TrainingArguments)"
 
 

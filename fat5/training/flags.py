@@ -50,6 +50,30 @@ class RunFolderArguments:
                 "non-finite (otherwise refused, or the run stops with exit status 1 before saving it)"})
 
 
+@dataclass
+class ActivationCheckpointing:
+    """--activation_checkpointing where transformers' TrainingArguments lacks it: transformers 5.24 renamed
+    --gradient_checkpointing so and warns about the old name, which the releases before it know alone. Mixed first
+    into a TrainingArguments subclass (`checkpointing_flag`), it sets gradient_checkpointing, so the docs' commands
+    spell the flag one way on every admitted release."""
+
+    activation_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute activations in the backward pass instead of storing them (transformers 5.24's name for "
+                "--gradient_checkpointing, given to earlier releases by FAT5)"})
+
+    def __post_init__(self):
+        if self.activation_checkpointing:
+            self.gradient_checkpointing = True
+        super().__post_init__()
+
+
+def checkpointing_flag(training_class):
+    """The mixins a TrainingArguments subclass of FAT5's takes first for --activation_checkpointing: none where
+    `training_class` has the field (transformers 5.24 and later), else ActivationCheckpointing."""
+    names = {flag.name for flag in dataclasses.fields(training_class)}
+    return () if "activation_checkpointing" in names else (ActivationCheckpointing,)
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Keeps the description's layout; shows defaults, except empty ones and those a help text already explains;
     names each flag once (HfArgumentParser's hyphenated aliases, --max-steps for --max_steps, work but are not

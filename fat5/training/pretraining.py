@@ -23,7 +23,7 @@ from fat5.files import (
 
 from .data import DenoisingDataset, Documents, add_missing_tokens, sentencepiece_pieces, train_sentencepiece
 from .denoising import MIXTURES, DenoisingMixture, sentinel_token_ids
-from .flags import RunFolderArguments, check_trainer_values, given_flags, parse, parser
+from .flags import RunFolderArguments, check_trainer_values, checkpointing_flag, given_flags, parse, parser
 from .model_card import RunCard, command_line
 from .models import (
     PRESETS,
@@ -47,7 +47,7 @@ RESUME_ADVICE = "resume from a checkpoint FAT5 wrote instead, or start a new run
 
 
 @dataclass
-class TrainerOptions(TrainingArguments, RunFolderArguments):
+class TrainerOptions(*checkpointing_flag(TrainingArguments), TrainingArguments, RunFolderArguments):
     _argument_group_name = "TrainingArguments options (transformers)"
     # None until the start is known: the default depends on the optimizer (DEFAULTS["learning_rate"]).
     learning_rate: float | None = field(default=None, metadata={

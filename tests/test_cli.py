@@ -17,6 +17,7 @@ from convert.demo import DEMO_PROMPTS
 from convert.flan_to_fat5 import main
 from convert.safety import STAGING_MARK
 from t5_checkpoints import make_t5_checkpoint
+from t5_twins import TRANSFORMERS_5
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -247,9 +248,10 @@ def test_the_demo_and_the_converters_print_no_unlabelled_bars_nor_the_tied_weigh
     from convert import fat5_to_t5
 
     monkeypatch.chdir(tmp_path)
-    saved = shutil.copytree(flan, tmp_path / "saved-by-5")  # as transformers 5's save_pretrained writes it
-    config = json.loads((saved / "config.json").read_text())
-    (saved / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    saved = shutil.copytree(flan, tmp_path / "saved-by-5")
+    if TRANSFORMERS_5:  # as transformers 5's save_pretrained writes an untied T5 (4.57 would tie it on loading)
+        config = json.loads((saved / "config.json").read_text())
+        (saved / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
     assert main([]) == 0
     assert main([str(saved), str(tmp_path / "fat5")]) == 0
     assert fat5_to_t5.main([str(tmp_path / "fat5"), str(tmp_path / "back")]) == 0

@@ -207,10 +207,14 @@ def test_translation_bleu_chrf_and_predictions_csv(demo_fat5, data, tmp_path):
 
 
 @pytest.mark.slow
-def test_summarization_rouge_bf16_gradient_checkpointing(demo_fat5, data, tmp_path):
+def test_summarization_rouge_bf16_activation_checkpointing(demo_fat5, data, tmp_path):
+    """--activation_checkpointing, transformers 5.24's name for --gradient_checkpointing (which it warns about), on
+    every admitted release (FAT5 gives it to 4.57 and 5.23)."""
     trainer = run_recipe("summarization", demo_fat5, data, tmp_path / "out", "--bf16", "--use_cpu",
-                         "--gradient_checkpointing")
-    assert trainer.model.is_gradient_checkpointing
+                         "--activation_checkpointing")
+    model = trainer.model
+    assert model.is_activation_checkpointing if hasattr(type(model), "is_activation_checkpointing") \
+        else model.is_gradient_checkpointing
     assert_loss_falls(trainer)
     scores = metrics(tmp_path / "out", "eval")
     for name in ("eval_rouge1", "eval_rouge2", "eval_rougeL", "eval_rougeLsum"):

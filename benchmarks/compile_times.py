@@ -7,8 +7,9 @@ lengths and strides multiples of 16), so the benchmarks run after it find their 
     python benchmarks/compile_times.py --smoke           # CPU, Triton's interpreter: checks the script
 
 Variants compile in --jobs processes at once (Triton compiles one kernel at a time per process), each writing its
-row when done: compile_s is the first calls' time less the warm calls'. A variant that fails to compile is a row
-with its error.
+row when done: compile_s is the first calls' time less the warm calls', 0 where the first calls were no slower
+(nothing compiled: Triton's interpreter, or kernels found in Triton's cache; the difference is then noise, as much as
+-27 s in the interpreter on a busy CPU). A variant that fails to compile is a row with its error.
 """
 
 import concurrent.futures
@@ -94,7 +95,7 @@ def compile_variant(name, smoke):
         (forward, backward), (warm_forward, warm_backward) = times
         row.update(forward_first_s=round(forward, 3), forward_ms=round(warm_forward * 1e3, 3),
                    backward_first_s=round(backward, 3), backward_ms=round(warm_backward * 1e3, 3),
-                   compile_s=round(forward + backward - warm_forward - warm_backward, 3))
+                   compile_s=round(max(0.0, forward + backward - warm_forward - warm_backward), 3))
     except Exception as error:  # a variant that does not compile is the finding: its row says why
         row["status"] = common.error_status(error)
     return row

@@ -15,11 +15,17 @@ each step's rows as a table), so a timeout, a crash or a kill loses only the ste
 (scripts/fetch_gpu_wheels.py fetches the tested transformers and liger-kernel, which the GPU image lacks) are
 first installed offline into the work folder, which goes first on the children's PYTHONPATH; without them the plan
 runs on what is installed and its first line says so.
+
+The command line follows FAT5's commands (fat5/cli.py): a bad flag, an unreadable archive or an --out that cannot be
+written is one `error:` line, exit status 2; Ctrl-C or SIGTERM stops the running step's whole process group (its
+workers and compilers too), packs what the call measured so far, and ends with one `interrupted:` (130) or
+`terminated:` (143) line saying what --out holds.
 """
 
 import argparse
 import importlib.util
 import json
+import math
 import os
 import shlex
 import signal
@@ -28,6 +34,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import zlib
 from collections import namedtuple
 from datetime import datetime
 from pathlib import Path
@@ -36,7 +43,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from fat5.training.flags import HelpFormatter  # noqa: E402  (no torch, no transformers: the suite imports neither)
+# No torch, no transformers: the suite imports neither (standard library only, as fat5/cli.py).
+from fat5.cli import CommandError, error_line, exit_with, run  # noqa: E402
+from fat5.safe_files import signals_deferred, write_atomically  # noqa: E402
+from fat5.training.flags import HelpFormatter  # noqa: E402
 
 # One step: `command` runs with `python` in the repository root; with --smoke, `smoke` is appended (argparse keeps
 # an option's last value). `estimate`: seconds expected on an H100 machine, set from the first run's durations
@@ -227,28 +237,38 @@ def step_command(step, smoke, rows_dir):
 def run_step(command, cap, log, env):
     """Run `command` as a process group under `cap` seconds, its output into `log`; returns (status, seconds). The
     group is killed whole (the step and what it started: pytest's workers, compilers) at the cap, or when the suite
-    is terminated; it stays in the suite's session, so nothing outlives the device call."""
+    is interrupted or terminated (fat5.cli.run raises KeyboardInterrupt for Ctrl-C and SIGTERM: the group, in a
+    process group of its own, gets neither from the terminal); it stays in the suite's session, so nothing outlives
+    the device call."""
     log.flush()
     start = time.monotonic()
-    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-                               preexec_fn=os.setpgrp)
-
-    def terminated(number, frame):
-        os.killpg(process.pid, signal.SIGKILL)
-        sys.exit(128 + number)
-
-    signal.signal(signal.SIGTERM, terminated)
-    log.write(f"pid {process.pid}\n")
-    log.flush()
+    process = None
     try:
+        with signals_deferred():  # a signal now comes once the group exists, to be killed with it
+            process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                       preexec_fn=os.setpgrp)
+        log.write(f"pid {process.pid}\n")
+        log.flush()
         code = process.wait(timeout=cap)
         status = "ok" if code == 0 else (f"killed by signal {-code}" if code < 0 else f"exit {code}")
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+        kill_group(process)
         status = f"timeout after {cap:.0f} s"
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except BaseException:
+        kill_group(process)
+        raise
     return status, round(time.monotonic() - start, 1)
+
+
+def kill_group(process):
+    """Kill a step's process group (it may have ended already) and reap the step."""
+    if process is None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
 
 
 def pack(rows_dir, out, call, log_line):
@@ -267,10 +287,33 @@ def pack(rows_dir, out, call, log_line):
     log_line(f"packed: {archive.name}, {goals.name}")
 
 
-def run_call(args):
+def check_out(out):
+    """--out is a folder the call can write (made if missing): one line otherwise, before any step runs."""
+    if out.exists() and not out.is_dir():
+        raise CommandError(f"--out {out} is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        raise CommandError(f"--out {out}: cannot write there ({error.strerror or error_line(error)})") from None
+
+
+def run_call(args, progress=None):
     began = time.monotonic()
-    args.out.mkdir(parents=True, exist_ok=True)
+    check_out(args.out)
     log_path = args.out / f"call{args.call}.log"
+    steps = [step for step in call_steps(args.call) if step.name in args.steps]
+    packed = []  # (step, status) of the steps whose rows --out holds
+
+    def describe():
+        if not packed:
+            return f"{args.out} holds no rows of call {args.call} (its log is {log_path})"
+        return (f"{args.out} holds call{args.call}.log, call{args.call}-rows.tar.gz and call{args.call}-goals.md with "
+                f"the rows of {len(packed)} of {len(steps)} steps (the last, {packed[-1][0]}: {packed[-1][1]})")
+
+    if progress is not None:
+        progress.describe = describe
     with tempfile.TemporaryDirectory(prefix="gpu_suite_") as work, open(log_path, "a") as log:
         def log_line(text):
             line = f"[{datetime.now().strftime('%H:%M:%S')}] {text}"
@@ -289,9 +332,18 @@ def run_call(args):
         suite_rows = rows_dir / "suite.jsonl"
         suite_rows.write_text(json.dumps({"benchmark": "suite", "call": args.call, "smoke": args.smoke,
                                           "budget": args.budget, "command": " ".join(sys.argv)}) + "\n")
-        for step in call_steps(args.call):
-            if step.name not in args.steps:
-                continue
+
+        def finish_step(step, status, seconds):
+            # Ctrl-C and SIGTERM wait until the step's row is recorded and every file packed (none half-written).
+            with signals_deferred():
+                with open(suite_rows, "a") as file:
+                    file.write(json.dumps(dict(step=step.name, call=args.call, status=status, seconds=seconds,
+                                               cap=step.cap, estimate=step.estimate)) + "\n")
+                log_line(f"{step.name}: {status} ({seconds} s)")
+                pack(rows_dir, args.out, args.call, log_line)
+                packed.append((step.name, status))
+
+        for step in steps:
             left = args.budget - (time.monotonic() - began) - PACK_SECONDS if args.budget else float("inf")
             cap = min(args.caps.get(step.name, SMOKE_CAP if args.smoke else step.cap), left)
             step_dir = rows_dir / step.name
@@ -302,12 +354,14 @@ def run_call(args):
                 command = step_command(step, args.smoke, step_dir)
                 shown = command if command[1] != "-c" else [*command[:2], "ENVIRONMENT", *command[3:]]
                 log.write(f"\n===== {step.name} (cap {cap:.0f} s, estimate {step.estimate} s): {shlex.join(shown)}\n")
-                status, seconds = run_step(command, cap, log, dict(env, **{TEST_ROWS: str(step_dir / "tests.jsonl")}))
-            with open(suite_rows, "a") as file:
-                file.write(json.dumps(dict(step=step.name, call=args.call, status=status, seconds=seconds,
-                                           cap=step.cap, estimate=step.estimate)) + "\n")
-            log_line(f"{step.name}: {status} ({seconds} s)")
-            pack(rows_dir, args.out, args.call, log_line)
+                stepped = time.monotonic()
+                try:
+                    status, seconds = run_step(command, cap, log, dict(env, **{TEST_ROWS: str(step_dir /
+                                                                                              "tests.jsonl")}))
+                except KeyboardInterrupt:  # the step's group is killed; the rows it wrote are packed
+                    finish_step(step, "interrupted", round(time.monotonic() - stepped, 1))
+                    raise
+            finish_step(step, status, seconds)
         log_line(f"call {args.call} done in {time.monotonic() - began:.0f} s")
     print("\n" + (args.out / f"call{args.call}-goals.md").read_text(), flush=True)
 
@@ -318,24 +372,44 @@ STATUS = {True: "met", False: "MISSED", None: "not measured"}
 
 
 def read_archives(paths):
-    """{benchmark: [(step, header, rows)]} of every JSON-lines file in the archives (a line cut short is dropped)."""
+    """{benchmark: [(step, header, rows)]} of every JSON-lines file in the archives (a line cut short is dropped); a
+    file that is not such an archive, or holds other JSON, is one line naming it (CommandError)."""
     found = {}
     for path in paths:
-        with tarfile.open(path) as tar:
-            for member in tar.getmembers():
-                if not member.name.endswith(".jsonl"):
-                    continue
-                documents = []
-                for line in tar.extractfile(member).read().decode().splitlines():
-                    try:
-                        documents.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        break
-                if documents:
-                    header, *rows = documents
-                    step = Path(member.name).parent.name
-                    found.setdefault(header.get("benchmark"), []).append((step, header, rows))
+        try:
+            with tarfile.open(path) as tar:
+                for member in tar.getmembers():
+                    if member.name.endswith(".jsonl"):
+                        read_rows(path, member.name, tar.extractfile(member).read(), found)
+        except (tarfile.TarError, EOFError, zlib.error, OSError) as error:
+            reason = "an empty file" if path.stat().st_size == 0 else "neither tar nor gzipped tar data" \
+                if isinstance(error, tarfile.ReadError) else error_line(error)
+            raise CommandError(f"--goals {path}: not a callN-rows.tar.gz archive of the GPU plan ({reason})") \
+                from None
     return found
+
+
+def read_rows(path, name, raw, found):
+    """Add the header and rows of the JSON-lines file `name` (bytes `raw`) of the archive `path` to `found`."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise CommandError(f"--goals {path}: line {line} of {name} is not UTF-8 text: not the GPU plan's rows") \
+            from None
+    documents = []
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            document = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if not isinstance(document, dict):
+            raise CommandError(f"--goals {path}: line {number} of {name} is a JSON {type(document).__name__}, not a "
+                               f"row (an object): not the GPU plan's rows")
+        documents.append(document)
+    if documents:
+        header, *rows = documents
+        found.setdefault(header.get("benchmark"), []).append((Path(name).parent.name, header, rows))
 
 
 def all_rows(found, benchmark, steps=None):
@@ -492,25 +566,30 @@ def compile_goal(rows):
                 lambda value: value == 0, text)
 
 
-def goal_table(found):
+def goals(found):
+    """The goal table's lines (`goal`'s dicts) from the rows `read_archives` found."""
+    attention = all_rows(found, "attention")  # attention.py's rows without dropout (with it: attention_dropout)
+    return [compile_goal(all_rows(found, "compile_times")),
+            tests_goal("correctness on CUDA in bf16 and fp16 passes (call 1)", all_rows(found, "tests",
+                                                                                        {"correctness"})),
+            tests_goal("fp32 parity and compiled variants pass (call 1)", all_rows(found, "tests", {"fp32_parity"})),
+            *kernel_goals(attention), *dropout_goals(all_rows(found, "attention_dropout")),
+            *model_goals(all_rows(found, "train_step"), all_rows(found, "generate"))]
+
+
+def goal_table(found, goal_rows=None):
     """The markdown goal table of the rows `read_archives` found: a heading with device and versions (from the
-    environment rows), the steps' statuses, then one line per goal; then each step's rows as a table
+    environment rows), the steps' statuses, then one line per goal (`goals`); then each step's rows as a table
     (`step_tables`), so that a step killed before printing its own table loses nothing."""
     environment = next(iter(found.get("environment", [])), (None, {}, []))[1]  # its header: device, versions, date
-    attention = all_rows(found, "attention")  # attention.py's rows without dropout (with it: attention_dropout)
-    goals = [compile_goal(all_rows(found, "compile_times")),
-             tests_goal("correctness on CUDA in bf16 and fp16 passes (call 1)", all_rows(found, "tests",
-                                                                                         {"correctness"})),
-             tests_goal("fp32 parity and compiled variants pass (call 1)", all_rows(found, "tests", {"fp32_parity"})),
-             *kernel_goals(attention), *dropout_goals(all_rows(found, "attention_dropout")),
-             *model_goals(all_rows(found, "train_step"), all_rows(found, "generate"))]
     steps = "; ".join(f"call {row['call']} {row['step']} {row['status']} ({row['seconds']} s)"
                       for row in all_rows(found, "suite"))
     versions = ", ".join(f"{name} {environment.get(name)}" for name in ("torch", "triton", "transformers"))
     lines = [f"### GPU plan, {environment.get('device', 'device unknown')}, {environment.get('date', '')}".rstrip(", "),
              "", f"{versions}; `python benchmarks/gpu_suite.py --call N`. Steps: {steps or 'none'}.", "",
              "| goal | figure | status |", "| --- | --- | --- |"]
-    lines += [f"| {row['goal']} | {row['figure']} | {row['status']} |" for row in goals]
+    lines += [f"| {row['goal']} | {row['figure']} | {row['status']} |"
+              for row in (goals(found) if goal_rows is None else goal_rows)]
     return "\n".join(lines) + "\n" + step_tables(found)
 
 
@@ -593,8 +672,15 @@ def step_tables(found):
 # ---- command line ------------------------------------------------------------------------------------------------
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one `error:` line (fat5.cli.run prints it), exit status 2, as for FAT5's commands."""
+
+    def error(self, message):
+        raise CommandError(message)
+
+
 def build_parser():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser = OneLineParser(prog="gpu_suite.py", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--call", type=int, choices=sorted(BUDGETS), help="which call of the plan to run")
     parser.add_argument("--out", type=Path, default=Path("bench-results") / "gpu_suite", metavar="DIR",
                         help="folder for the call's three files (callN.log, callN-rows.tar.gz, callN-goals.md); "
@@ -613,14 +699,22 @@ def build_parser():
     parser.add_argument("--goals", nargs="+", type=Path, metavar="ARCHIVE",
                         help="print the goal table of these callN-rows.tar.gz archives instead of running a call")
     parser.add_argument("--update-results", action="store_true",
-                        help="with --goals: also append the table to benchmarks/RESULTS.md")
+                        help="with --goals: also append the table to benchmarks/RESULTS.md (refused when the "
+                             "archives measured no goal)")
     return parser
 
 
-def parse_args():
+# The flags of a call, which --goals (it runs no call) does not take.
+CALL_FLAGS = ("call", "smoke", "budget", "cap", "steps")
+
+
+def parse_args(argv=None):
     parser = build_parser()
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.goals:
+        given = [f"--{name}" for name in CALL_FLAGS if getattr(args, name) not in (None, False, [])]
+        if given:
+            parser.error(f"{', '.join(given)} has no effect with --goals, which runs no call")
         missing = [str(path) for path in args.goals if not path.is_file()]
         if missing:
             parser.error(f"--goals: no such archive {', '.join(missing)}")
@@ -629,6 +723,10 @@ def parse_args():
         parser.error("--update-results goes with --goals (a call writes only into --out)")
     if args.call is None:
         parser.error("say which call to run (--call 1 or --call 2), or --goals ARCHIVE...")
+    if args.budget is not None and not (math.isfinite(args.budget) and args.budget >= 0):
+        parser.error(f"--budget {args.budget}: must be a number of seconds, 0 or more (0: none)")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} is a file, not a folder")
     names = [step.name for step in call_steps(args.call)]
     args.steps = args.steps or names
     unknown = [name for name in args.steps if name not in names]
@@ -650,18 +748,37 @@ def parse_args():
     return args
 
 
-def main():
-    args = parse_args()
+def print_goals(args):
+    """--goals: the goal table of the archives; with --update-results, appended to benchmarks/RESULTS.md (whole, or
+    not at all), unless no goal was measured."""
+    found = read_archives(args.goals)
+    try:
+        measured = goals(found)
+        table = goal_table(found, measured)
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as error:
+        raise CommandError(f"--goals: the archives' rows are not the GPU plan's ({type(error).__name__}: "
+                           f"{error_line(error)})") from None
+    print(table, flush=True)
+    if args.update_results:
+        if all(row["status"] == STATUS[None] for row in measured):
+            raise CommandError(f"--update-results: {', '.join(map(str, args.goals))} measured no goal (every goal "
+                               f"is not measured): benchmarks/RESULTS.md is left as it is")
+        results = ROOT / "benchmarks" / "RESULTS.md"
+        write_atomically(results, results.read_text(encoding="utf-8") + "\n" + table)
+        print("appended to benchmarks/RESULTS.md")
+
+
+def command(argv, progress):
+    args = parse_args(argv)
     if args.goals:
-        table = goal_table(read_archives(args.goals))
-        print(table, flush=True)
-        if args.update_results:
-            with open(ROOT / "benchmarks" / "RESULTS.md", "a") as results:
-                results.write("\n" + table)
-            print("appended to benchmarks/RESULTS.md")
-        return
-    run_call(args)
+        print_goals(args)
+    else:
+        run_call(args, progress)
+
+
+def main(argv=None):
+    return run(command, argv)
 
 
 if __name__ == "__main__":
-    main()
+    exit_with(main)

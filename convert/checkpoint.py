@@ -422,18 +422,19 @@ def convert_checkpoint(folder, dtype=None):
 
 
 @contextlib.contextmanager
-def _expected_untied_warning_silenced(source_config):
-    """transformers 5 forces tie_word_embeddings=True on T5 configs, then warns that an untied checkpoint (FLAN-T5,
-    mT5) "will NOT tie"; it does not, which is right. Drop that one warning when config.json says untied."""
+def untied_warning_silenced():
+    """transformers 5 forces tie_word_embeddings=True on T5 configs (and writes it into the configs it saves, an untied
+    FLAN-T5's included), then warns, loading a checkpoint whose LM head differs from its embedding, that it "will NOT
+    tie" them; it does not, which is right, and the converters decided the tying from the weights themselves
+    (`plan_conversion`, `plan_back_conversion`). Drop that one warning while a converter loads a T5 (the source, or
+    the folder it wrote): transformers' logger is filtered for that message only, and only inside the block."""
     import logging
 
     def drop(record):
         return "NOT tie" not in record.getMessage()
 
     logger = logging.getLogger("transformers.modeling_utils")
-    untied = source_config.get("tie_word_embeddings") is False
-    if untied:
-        logger.addFilter(drop)
+    logger.addFilter(drop)
     try:
         yield
     finally:
@@ -450,7 +451,7 @@ def load_source_model(folder, dtype=None):
     from transformers import AutoModelForSeq2SeqLM
 
     source_config = read_json_object(Path(folder) / "config.json")
-    with _expected_untied_warning_silenced(source_config):
+    with untied_warning_silenced():
         model = AutoModelForSeq2SeqLM.from_pretrained(folder, dtype=dtype).eval()
     # Read only by the output rescale once the weights are loaded (and tied).
     model.config.tie_word_embeddings = False

@@ -100,10 +100,12 @@ def run_demo_pipeline(out):
     from transformers import pipeline
 
     from convert.demo import DEMO_PROMPTS
+    from convert.parity import loading_bars_hidden
     from fat5 import register_auto_classes
 
     register_auto_classes()  # as in a user's process that uses FAT5's classes (transformers 5 then prefers them)
-    generator = pipeline("text2text-generation", model=str(out), trust_remote_code=True)
+    with loading_bars_hidden():
+        generator = pipeline("text2text-generation", model=str(out), trust_remote_code=True)
     wrong = []
     for prompt, expected in DEMO_PROMPTS:
         text = generator(prompt)[0]["generated_text"]
@@ -121,10 +123,16 @@ def convert(args, progress, argv=None):
     demo = args.src is None and args.out is None
     if args.src is not None and args.out is None:
         raise CommandError("OUT is required when SRC is given")
+    from convert.demo import DEMO_CHECKPOINT
+
+    src, out = (str(DEMO_CHECKPOINT), DEMO_OUTPUT) if demo else (args.src, Path(args.out))
+    if not args.push_to_hub:
+        # Before torch and transformers load (seconds): a Hub id that cannot be had (offline, unknown) is refused
+        # at once. (With --push-to-hub, the credentials are checked before anything is downloaded.)
+        source_folder, hub_id = resolve_source(src, args.revision, args.token)
     import torch
 
     from convert.checkpoint import plan_conversion, read_config
-    from convert.demo import DEMO_CHECKPOINT
     from convert.export import check_out_path, export, parse_size
     from convert.flasht5 import MODEL_TYPE as FLASHT5
     from convert.flasht5 import plan_flasht5_conversion
@@ -132,12 +140,11 @@ def convert(args, progress, argv=None):
     from convert.safety import AtomicOutput
     from fat5.files import TOKENIZER_FILES, holds_tokenizer
 
-    src, out = (str(DEMO_CHECKPOINT), DEMO_OUTPUT) if demo else (args.src, Path(args.out))
     parse_size(args.max_shard_size)
     if args.push_to_hub:
-        # Fail on missing credentials or network before spending time converting.
+        # Fail on missing credentials or network before spending time downloading and converting.
         check_push_access(args.push_to_hub, args.token)
-    source_folder, hub_id = resolve_source(src, args.revision, args.token)
+        source_folder, hub_id = resolve_source(src, args.revision, args.token)
     output = AtomicOutput(source_folder, out, overwrite=args.overwrite or demo)
     check_out_path(out)
     progress.describe = output.describe

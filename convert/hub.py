@@ -158,6 +158,8 @@ def render_model_card(
         project_url=project_url(),
         example=example,
         example_literal=json.dumps(example["text"], ensure_ascii=False),
+        # What the pipeline returns, as Python prints it, where the answer is known (the demo's); else its form.
+        pipeline_output=repr([{"generated_text": example["output"]}]) if example.get("output") else None,
         pipeline_literal=json.dumps(example["pipeline_text"], ensure_ascii=False),
         has_tokenizer=has_tokenizer,
         vocab_size=vocab_size,

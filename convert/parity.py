@@ -10,6 +10,7 @@ NaN and infinite logits (a model with non-finite weights, converted with --allow
 both. A written FAT5 model must also generate with its cache what it generates without (`prove_cached_generation`).
 """
 
+import contextlib
 import functools
 import gc
 from pathlib import Path
@@ -87,6 +88,21 @@ def rounding_spread(tensors, compute, expected):
         return finite_max(expected - compute())
 
 
+@contextlib.contextmanager
+def loading_bars_hidden():
+    """transformers' progress bars hidden inside the block (put back as they were after it): the models the proof
+    loads are FAT5's own business, and their unlabelled "Loading weights" bars only crowd the command's output."""
+    from transformers.utils import logging
+
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            logging.enable_progress_bar()
+
+
 def real_logits(model, batch, real):
     """`model`'s logits on `batch`, in fp32, at the real (unpadded) decoder positions `real`."""
     with torch.no_grad():
@@ -101,14 +117,16 @@ def prove_parity(load_reference, load_written, tokenizer_folder, check_generatio
     The reference is freed before the written model is loaded. Returns (max |difference| over real decoder tokens,
     description of the sample); raises ParityError above tolerance (see the module docstring).
     """
-    reference = load_reference()
+    with loading_bars_hidden():
+        reference = load_reference()
     batch, sample = parity_batch(tokenizer_folder, reference)
     real = batch["decoder_attention_mask"].bool()
     expected = real_logits(reference, batch, real)
     spread = rounding_spread(reference.parameters(), functools.partial(real_logits, reference, batch, real), expected)
     del reference
     gc.collect()
-    written = load_written()
+    with loading_bars_hidden():
+        written = load_written()
     actual = real_logits(written, batch, real)
     stored = written.get_input_embeddings().weight.dtype
     sample = f"{sample}, {str(stored).removeprefix('torch.')}"
@@ -180,5 +198,10 @@ def verify_back_parity(fat5_folder, folder):
     """FAT5 -> T5: the checkpoint written at `folder`, loaded by plain transformers, against the FAT5 model."""
     from transformers import AutoModelForSeq2SeqLM
 
-    return prove_parity(lambda: load_fat5(fat5_folder), lambda: AutoModelForSeq2SeqLM.from_pretrained(folder).eval(),
-                        folder)
+    from convert.checkpoint import untied_warning_silenced
+
+    def load_written():
+        with untied_warning_silenced():
+            return AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+
+    return prove_parity(lambda: load_fat5(fat5_folder), load_written, folder)

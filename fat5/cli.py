@@ -207,6 +207,8 @@ def write_failures_reported(what, folder=None):
 # while it runs a `__del__` or a weakref callback (printing "Exception ignored ..."), after which the command would
 # go on.
 _interruptions = []
+# The commands `run` has started in this process (`exit_with` tells an interruption before any from one after).
+_commands_run = []
 
 
 # What a command that imports torch and transformers says first, on a terminal: those imports take seconds (tens on a
@@ -252,6 +254,7 @@ def raise_if_interrupted():
 def run(command, argv=None, extra=None):
     """Call `command(argv, progress)`; return its exit status under the convention above. `extra`: the extra of
     pyproject.toml the command belongs to, named when one of its libraries is missing."""
+    _commands_run.append(command)
     progress = Progress()
     main_process = os.getpid()
     _interruptions.clear()
@@ -331,15 +334,22 @@ def run(command, argv=None, extra=None):
     return 0
 
 
+def stop_early(number, frame):
+    """The SIGTERM handler of a command from its start (fat5/commands.py) until `run` installs its own: SIGTERM ends
+    it as Ctrl-C does (`exit_with` then says `terminated`, exit status 143) rather than silently."""
+    _interruptions.append(number)
+    raise KeyboardInterrupt
+
+
 def exit_with(main):
     """`sys.exit(main())`, with a Ctrl-C or SIGTERM after main returned (or while Python shuts down) ignored: the
     command is over, and its exit status says how it ended."""
     try:
         code = main()
         sys.stdout.flush()  # a reader gone early shows here, not as a traceback while Python exits
-    except KeyboardInterrupt:  # raised between main's own handler and here
-        print("interrupted", file=sys.stderr)
-        code = EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # raised before main's own handler (`run`), or between it and here
+        word, code = STOPPED_BY[_interruptions[0] if _interruptions else signal.SIGINT]
+        print(f"{word}: nothing was written" if not _commands_run else word, file=sys.stderr)
     except BrokenPipeError:
         # Standard output's reader stopped reading (`fat5 --help | head`): it has what it wanted. Nothing more can
         # be written there, so it points at /dev/null for Python's own flush at exit.

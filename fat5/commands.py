@@ -119,10 +119,25 @@ def main(argv=None):
 
 def console_main():
     """The `fat5` console script (pyproject.toml's [project.scripts]) and `python -m fat5`. Importing this module
-    imports nothing slow, so a Ctrl-C while `fat5.cli` and the command load is caught here or by `exit_with`."""
+    imports nothing slow, so a Ctrl-C or SIGTERM while `fat5.cli` and the command load is caught here or by
+    `exit_with`: one `interrupted`/`terminated` line and exit status 130/143 from this function's first instant (a
+    SIGTERM the process was started with ignored stays ignored)."""
+    import signal
+
+    stopped_by = []
+
+    def stop(number, frame):
+        stopped_by.append(number)
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, stop)
     try:
-        from fat5.cli import exit_with
+        from fat5 import cli
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
-    exit_with(main)
+        word, status = ("terminated", 143) if stopped_by[:1] == [signal.SIGTERM] else ("interrupted", 130)
+        print(f"{word}: nothing was written", file=sys.stderr)
+        sys.exit(status)
+    if signal.getsignal(signal.SIGTERM) is stop:
+        signal.signal(signal.SIGTERM, cli.stop_early)  # until the command's own handler (fat5.cli.run)
+    cli.exit_with(main)

@@ -116,6 +116,112 @@ def check_model_folder(folder, also=()):
     for model in SENTENCEPIECE_MODELS:
         if (folder / model).exists():
             check_sentencepiece(folder / model)
+    check_fat5_config(folder)
+
+
+# What a FAT5 config.json names in `architectures`: the classes whose weights a folder may hold.
+FAT5_ARCHITECTURES = ("FAT5Model", "FAT5ForConditionalGeneration", "FAT5EncoderModel", "FAT5ForSequenceClassification",
+                      "FAT5ForTokenClassification", "FAT5ForQuestionAnswering")
+
+
+def check_fat5_config(folder):
+    """For a FAT5 folder (config.json model_type "fat5"): its config is one FAT5Config takes (a known attention
+    backend, position encoding, ...), and it describes the weights beside it (`check_config_describes_weights`), so
+    an edited or mismatched config.json is one line before anything loads, not a traceback from deep in loading (or
+    a model that loads and computes wrongly: a T5 folder's bias tables under `position_encoding_type: "rope"`)."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        return
+    fields = read_json_object(folder / "config.json")
+    if fields.get("model_type") != "fat5":
+        return
+    from fat5 import FAT5Config
+
+    try:
+        config = FAT5Config.from_dict(fields)
+    except (TypeError, ValueError) as error:
+        raise CommandError(f"{folder / 'config.json'}: {error_line(error)}") from None
+    check_config_describes_weights(folder, config)
+
+
+def weight_shapes(folder):
+    """{tensor name: shape} of the model weights of a folder (model.safetensors, the shards its index names, or
+    pytorch_model*.bin), read from the headers (a .bin memory-mapped); None when it holds none (an adapter)."""
+    import torch
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = sorted({folder / name for name in read_json_object(index).get("weight_map", {}).values()}) \
+        if index.is_file() else [folder / "model.safetensors"] if (folder / "model.safetensors").is_file() else []
+    shapes = {}
+    for path in files:
+        with safe_open(safetensors_path(path), framework="numpy") as weights:
+            shapes.update({name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()})
+    if not files:
+        for path in sorted(folder.glob("pytorch_model*.bin")):
+            try:  # (check_pickled_weights refused what is not tensors)
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception:  # torch's legacy format, which cannot be memory-mapped: left to the loader
+                return None
+            shapes.update({name: tuple(tensor.shape) for name, tensor in state.items()})
+    return shapes or None
+
+
+def check_config_describes_weights(folder, config):
+    """Refuse, in one line, a FAT5 folder whose config.json contradicts its weights: a tensor the class of
+    `architectures` would give another shape (d_model edited), one it has no place for (a T5 bias table under
+    another `position_encoding_type`), or one it needs that is missing (more layers than the weights hold), where
+    transformers would stop with a traceback or initialise what is missing at random. Compared on the meta device
+    (nothing allocated), the names the class ties to one tensor counting once, and the keys the class itself
+    ignores on loading left out."""
+    import re
+
+    import torch
+
+    import fat5
+
+    architecture = (config.architectures or ["FAT5ForConditionalGeneration"])[0]
+    shapes = weight_shapes(folder) if architecture in FAT5_ARCHITECTURES else None
+    if shapes is None:
+        return
+    model_class = getattr(fat5, architecture)
+    with torch.device("meta"):
+        model = model_class(config)
+    expected = model.state_dict(keep_vars=True)
+    ignored = [re.compile(pattern) for pattern in (*(model_class._keys_to_ignore_on_load_unexpected or ()),
+                                                   *(model_class._keys_to_ignore_on_load_missing or ()))]
+    described = ", ".join(f"{name} {getattr(config, name)!r}" for name in ("d_model", "num_layers", "num_heads",
+                                                                          "position_encoding_type"))
+    where = f"{folder / 'config.json'} ({described}) does not describe the weights beside it"
+    for name, tensor in expected.items():
+        shape = shapes.get(name, tuple(tensor.shape))
+        if tuple(tensor.shape) != shape:
+            raise CommandError(f"{where}: tensor {name} is {list(shape)} there, the config makes it "
+                               f"{list(tensor.shape)}; use the config.json the weights were saved with")
+    unexpected = [name for name in shapes if name not in expected and not any(p.search(name) for p in ignored)]
+    if unexpected:
+        raise CommandError(f"{where}: the weights hold {len(unexpected)} tensor(s) a {architecture} of this config "
+                           f"has no place for, first {unexpected[0]}; use the config.json the weights were saved with")
+    tied = {}
+    for name, tensor in expected.items():
+        tied.setdefault(id(tensor), []).append(name)
+    missing = [names[0] for names in tied.values() if not any(name in shapes for name in names)
+               and not any(p.search(names[0]) for p in ignored)]
+    if missing:
+        raise CommandError(f"{where}: the weights lack {len(missing)} tensor(s) a {architecture} of this config needs, "
+                           f"first {missing[0]}; use the config.json the weights were saved with")
+
+
+def check_attention_device(fields, device_type, what):
+    """Refuse, in one line, a FAT5 config (`fields`, a config.json dict; `what` names where it comes from) that
+    forces attention_backend "triton" where the command runs on `device_type` other than CUDA: FAT5's Triton kernel
+    needs CUDA tensors, and the first forward would fail deep in the model."""
+    if fields.get("model_type", "fat5") == "fat5" and fields.get("attention_backend") == "triton" \
+            and device_type != "cuda":
+        raise CommandError(f"{what}: its config sets attention_backend 'triton', FAT5's Triton kernel, which needs "
+                           f"CUDA, and this command runs on {device_type}: set attention_backend to 'auto' (the kernel "
+                           f"on CUDA, SDPA elsewhere) or 'sdpa' in its config.json")
 
 
 # TrainingArguments' flags that may name a JSON file, which it reads itself (they also take a dict, or DeepSpeed's

@@ -413,6 +413,24 @@ class FAT5Block(GradientCheckpointingLayer):
         return hidden_states, self_attention_weights, cross_attention_weights, shared_table
 
 
+def _read_only(cache):
+    """What a decoder forward with use_cache=False attends to when given a cache (PEFT's prefix tuning gives its
+    virtual tokens so): the cache's keys and values and this forward's, leaving the cache as it was, so that the
+    forward is returned the cache it was given. Written into, the cache grew by this forward's tokens, and generate
+    without a cache, which hands the model every token again with the cache the last forward returned, placed them
+    after a copy of themselves: no-cache tokens differed from the cached ones. A dynamic cache is copied by reference
+    (a prefix's gradient flows through); a static one, which is written in place, whole."""
+    if getattr(cache.self_attention_cache, "is_compileable", False):
+        return copy.deepcopy(cache)
+    copied = EncoderDecoderCache(DynamicCache(), DynamicCache())
+    for part in ("self_attention_cache", "cross_attention_cache"):
+        for index, layer in enumerate(getattr(cache, part).layers):
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                getattr(copied, part).update(layer.keys, layer.values, index)
+    copied.is_updated = dict(cache.is_updated)
+    return copied
+
+
 def _static_cache_length(cache, part="self_attention_cache"):
     """Length of the keys a static (compileable) self- or cross-attention cache returns (all its slots), else
     None."""
@@ -745,10 +763,13 @@ class FAT5Stack(FAT5PreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch, length = inputs_embeds.shape[:2]
+        given = cache
         if not self.is_decoder:
-            cache = None
+            cache = given = None
         elif use_cache and cache is None:
             cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        elif not use_cache and cache is not None:
+            cache = _read_only(cache)
         q_offset = cache.get_seq_length() if cache is not None else 0
         if isinstance(q_offset, torch.Tensor):
             # A static cache's own counter, which its update() advances in place during this forward.
@@ -802,7 +823,7 @@ class FAT5Stack(FAT5PreTrainedModel):
         if output_hidden_states:
             all_hidden_states += (hidden_states,)
         output = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden_states,
-                                                           **cache_field(cache),
+                                                           **cache_field(cache if use_cache else given),
                                                            hidden_states=all_hidden_states,
                                                            attentions=all_attentions,
                                                            cross_attentions=all_cross_attentions)

@@ -15,6 +15,8 @@ adds what the platform offers:
 - a lock (`flock`) on each staging folder while it is written, so that the next writer on the same target removes
   the staging folders of killed ones and never one still being written (where there is no `fcntl`, none is
   removed);
+- `LockFile`, a process's lock on a file (a run folder's): `flock` where there is `fcntl`, elsewhere (Windows) the
+  file created exclusively, holding its process id, with stale-lock detection;
 - the staged folder and its parent flushed to disk around the step.
 Standard library only; nothing platform-specific is imported at module level.
 """
@@ -23,8 +25,10 @@ import errno
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -57,6 +61,105 @@ def lock(path, create=False):
         os.close(descriptor)
         return None
     return descriptor
+
+
+class LockFile:
+    """An exclusive lock of this process on the file `path` (made if absent), which records its holder ("PID HOST"):
+    `LockFile.acquire(path)` returns it, or None while another process holds it (`holder(path)` says which);
+    `release()` frees it.
+
+    With `fcntl` (Linux, macOS) it is `flock` on the file, which the kernel frees when the process dies. Without it
+    (Windows) the file itself is the lock: created exclusively (`O_CREAT | O_EXCL`) and removed on release. A lock
+    file a killed process left is stale when that process no longer exists on this host (`process_exists`), and is
+    replaced; one written on another host, or by a process that still runs, is held. (On Windows a live holder also
+    keeps its lock file open, which forbids removing it, so two processes never both take over a stale one.)
+    """
+
+    STALE_EMPTY_SECONDS = 10  # an empty lock file this old was left by a process killed between creating and writing
+
+    def __init__(self, path, descriptor, created):
+        self.path, self.descriptor, self.created = Path(path), descriptor, created
+
+    @classmethod
+    def acquire(cls, path):
+        owner = f"{os.getpid()} {socket.gethostname()}\n".encode()
+        if fcntl is not None:
+            descriptor = lock(path, create=True)
+            if descriptor is None:
+                return None
+            os.ftruncate(descriptor, 0)
+            os.write(descriptor, owner)
+            return cls(path, descriptor, created=False)
+        for _ in range(2):
+            try:
+                descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+            except FileExistsError:
+                if not cls.stale(path):
+                    return None
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+                except PermissionError:  # Windows: its holder still has it open
+                    return None
+                continue
+            os.write(descriptor, owner)
+            return cls(path, descriptor, created=True)
+        return None
+
+    @staticmethod
+    def holder(path):
+        """(process id, host) that the lock file records, (None, None) where it records none."""
+        try:
+            pid, _, host = Path(path).read_text(errors="replace").strip().partition(" ")
+            return int(pid), host
+        except (OSError, ValueError):
+            return None, None
+
+    @classmethod
+    def stale(cls, path):
+        """Whether a lock file (without fcntl) was left by a process that no longer exists."""
+        pid, host = cls.holder(path)
+        if pid is None:
+            try:
+                return time.time() - os.stat(path).st_mtime > cls.STALE_EMPTY_SECONDS
+            except FileNotFoundError:
+                return True
+        return host == socket.gethostname() and not process_exists(pid)
+
+    def release(self):
+        if self.descriptor is None:
+            return
+        os.close(self.descriptor)
+        self.descriptor = None
+        if self.created:
+            Path(self.path).unlink(missing_ok=True)
+
+
+def process_exists(pid):
+    """Whether process `pid` exists on this machine (standard library only: `os.kill(pid, 0)` on POSIX; on Windows,
+    where `os.kill` would end the process, its exit code read through the Windows API)."""
+    if pid == os.getpid():
+        return True
+    if os.name == "nt":
+        import ctypes
+
+        kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)
+        handle = kernel32.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
+        if not handle:
+            return ctypes.get_last_error() == 5  # ERROR_ACCESS_DENIED: it exists, another user's
+        try:
+            code = ctypes.c_ulong()
+            return bool(kernel32.GetExitCodeProcess(handle, ctypes.byref(code))) and code.value == 259  # STILL_ACTIVE
+        finally:
+            kernel32.CloseHandle(handle)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def remove_stale_staging(target):

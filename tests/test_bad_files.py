@@ -228,3 +228,57 @@ def test_a_bad_trainer_config_file_is_one_line_naming_it(folders, tmp_path, caps
     line = one_error_line(capsys, main, [*argv, f"{flag}={tmp_path / 'missing.json'}"])
     assert line == f"error: cannot read the {flag} file {tmp_path / 'missing.json'}: no such file"
     assert not (tmp_path / "out").exists()
+
+
+# -- a config.json that contradicts its weights ------------------------------------------------------------------
+
+EDITS = {
+    # transformers stopped with a 116-line traceback (a size mismatch), deep in loading.
+    "d_model": ({"d_model": 64}, "does not describe the weights beside it: tensor shared.weight is [136, 128] there, "
+                                 "the config makes it [136, 64]; use the config.json the weights were saved with"),
+    # The T5 bias tables became unexpected keys (one line of transformers' load report) and the model predicted
+    # wrongly, with exit status 0.
+    "rope": ({"position_encoding_type": "rope"}, "the weights hold 2 tensor(s) a FAT5ForConditionalGeneration of "
+                                                 "this config has no place for, first "),
+    # The fourth layer would be initialised at random.
+    "layers": ({"num_layers": 4}, "the weights lack 9 tensor(s) a FAT5ForConditionalGeneration of this config "
+                                  "needs, first encoder.block.3."),
+    # A 38-line traceback ending in FAT5Config's own message.
+    "backend": ({"attention_backend": "bogus"}, "config.json: FAT5Config.attention_backend: 'bogus' is not one of "
+                                                "('auto', 'eager', 'sdpa', 'triton')"),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+@pytest.mark.parametrize("case", ["predict", "recipe", "pretrain-checkpoint", "refresh", "back"])
+def test_a_config_that_contradicts_its_weights_is_one_line(folders, tmp_path, capsys, case, edit):
+    main, argv, path = command_with(f"{case}:config.json", folders, tmp_path)
+    fields, says = EDITS[edit]
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    line = one_error_line(capsys, main, argv)
+    if case == "back":  # the converter's own proof of the tensors names them first
+        says = BACK_CONVERSION_SAYS[edit]
+    assert (case == "back" or f"error: {path}" in line) and says in line, line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "predictions.csv").exists()
+
+
+BACK_CONVERSION_SAYS = {"d_model": "tensor shared.weight has shape (136, 128), the config implies (136, 64)",
+                        "rope": "position_encoding_type 'rope' has no transformers T5 counterpart",
+                        "layers": "checkpoint lacks 9 tensor(s) t5 needs",
+                        "backend": "FAT5Config.attention_backend: 'bogus' is not one of"}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the Triton kernel runs on this machine")
+@pytest.mark.parametrize("case", ["predict", "recipe", "pretrain-checkpoint", "tiny"])
+def test_the_triton_backend_where_there_is_no_cuda_is_one_line(folders, tmp_path, capsys, case):
+    """A folder saved with attention_backend "triton" on a machine without CUDA: a 96-line traceback at the first
+    forward, FAT5's own ValueError at its end."""
+    main, argv, path = command_with(f"{case}:{'tiny.json' if case == 'tiny' else 'config.json'}", folders, tmp_path)
+    path.write_text(json.dumps({**(json.loads(path.read_text()) if path.exists() else TINY),
+                                "attention_backend": "triton"}))
+    line = one_error_line(capsys, main, argv)
+    flag = {"predict": "--model", "tiny": "--config"}.get(case, "--model_name_or_path")
+    assert line == f"error: {flag} {path if case == 'tiny' else path.parent}: its config sets attention_backend " \
+                   f"'triton', FAT5's Triton kernel, which needs CUDA, and this command runs on cpu: set " \
+                   f"attention_backend to 'auto' (the kernel on CUDA, SDPA elsewhere) or 'sdpa' in its config.json"
+    assert not (tmp_path / "out").exists()

@@ -168,6 +168,9 @@ def test_decode_smoke_run_writes_rows(tmp_path):
                  marks=pytest.mark.slow),
     ("gpu_suite.py", [], "say which call to run (--call 1 or --call 2), or --goals ARCHIVE..."),
     ("gpu_suite.py", ["--goals", "missing.tar.gz"], "--goals: no such archive missing.tar.gz"),
+    ("gpu_suite.py", ["--call", "1", "--smoke", "--budget", "nan"], "--budget nan: must be a number of seconds, 0 or "
+                                                                   "more (0: none)"),
+    ("gpu_suite.py", ["--goals", __file__, "--call", "1"], "--call has no effect with --goals, which runs no call"),
     ("compile_times.py", ["--variants", "enc,fp64"], "unknown --variants ['fp64']; choose from enc, dec, cross, "
      "enc_mask, packed, fp16_enc, fp16_dec, drop_enc, drop_dec, d128_enc, alibi_enc, fp32_enc, fp32_dec"),
 ])
@@ -178,6 +181,121 @@ def test_bad_flag_is_one_error_line_and_nonzero_exit(tmp_path, script, flags, me
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1].endswith(message)
     assert "Traceback" not in result.stderr and not any(tmp_path.iterdir())  # nothing measured, nothing written
+
+
+def gpu_suite_module():
+    sys.path.insert(0, str(BENCHMARKS))
+    import gpu_suite
+
+    return gpu_suite
+
+
+def one_line(capsys, main, argv, status=2):
+    """The one line a command prints on stderr, ending with exit status `status`."""
+    capsys.readouterr()
+    assert main([str(arg) for arg in argv]) == status
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def archive(path, members):
+    """A gzipped tar archive at `path` holding {name: bytes}."""
+    import io
+
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"", "not a callN-rows.tar.gz archive of the GPU plan (an empty file)"),
+    (bytes(range(256)) * 4, "not a callN-rows.tar.gz archive of the GPU plan (neither tar nor gzipped tar data)"),
+    ({"call1/suite.jsonl": b"[1, 2]\n"}, "line 1 of call1/suite.jsonl is a JSON list, not a row (an object): not the "
+                                         "GPU plan's rows"),
+    ({"call1/suite.jsonl": b'{"benchmark": "suite"}\n{"step": "caf\xe9"}\n'},
+     "line 2 of call1/suite.jsonl is not UTF-8 text: not the GPU plan's rows"),
+    ({"call1/suite.jsonl": b'{"benchmark": "suite"}\n{"step": "x"}\n'},
+     "--goals: the archives' rows are not the GPU plan's (KeyError: 'call')"),
+], ids=["empty", "random bytes", "a list", "not UTF-8", "other rows"])
+def test_gpu_suite_goals_of_a_file_that_is_no_archive_of_rows_is_one_line(tmp_path, capsys, content, says):
+    """Before: tarfile's ReadError, an AttributeError or a UnicodeDecodeError with their tracebacks."""
+    path = tmp_path / "call1-rows.tar.gz"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        archive(path, content)
+    line = one_line(capsys, gpu_suite_module().main, ["--goals", path])
+    assert line.startswith("error: ") and line.endswith(says), line
+
+
+def test_gpu_suite_appends_to_the_results_only_what_was_measured(tmp_path, capsys, monkeypatch):
+    """An archive with nothing measured once exited 0 and appended a 22-line table of "not measured" to
+    benchmarks/RESULTS.md; a measured one is appended whole (fat5/safe_files.py)."""
+    gpu_suite = gpu_suite_module()
+    results = tmp_path / "benchmarks" / "RESULTS.md"
+    results.parent.mkdir()
+    results.write_text("# Results\n")
+    monkeypatch.setattr(gpu_suite, "ROOT", tmp_path)
+    nothing = archive(tmp_path / "nothing.tar.gz", {"call1/suite.jsonl": b'{"benchmark": "suite", "call": 1}\n'})
+    capsys.readouterr()
+    assert gpu_suite.main(["--goals", str(nothing), "--update-results"]) == 2
+    captured = capsys.readouterr()
+    assert "| goal | figure | status |" in captured.out  # the table is still printed
+    assert captured.err.splitlines() == [f"error: --update-results: {nothing} measured no goal (every goal is not "
+                                         f"measured): benchmarks/RESULTS.md is left as it is"]
+    assert results.read_text() == "# Results\n"
+    compiled = {"call1/compile/compile_times.jsonl": b'{"benchmark": "compile_times"}\n{"variant": "enc", '
+                                                     b'"dtype": "bfloat16", "head_dim": 64, "compile_s": 12.5, '
+                                                     b'"status": "ok"}\n'}
+    assert gpu_suite.main(["--goals", str(archive(tmp_path / "compiled.tar.gz", compiled)), "--update-results"]) == 0
+    text = results.read_text()
+    assert text.startswith("# Results\n\n### GPU plan") and "| 1 of 1, 12 s in all, slowest enc 12 s | met |" in text
+
+
+def test_gpu_suite_out_that_cannot_be_written_is_one_line(tmp_path, capsys):
+    """Before: a traceback (FileExistsError, NotADirectoryError) and nothing measured."""
+    gpu_suite = gpu_suite_module()
+    (tmp_path / "a-file").write_text("mine\n")
+    for out, says in [(tmp_path / "a-file", f"--out {tmp_path / 'a-file'} is a file, not a folder"),
+                      (tmp_path / "a-file" / "out", f"--out {tmp_path / 'a-file' / 'out'}: cannot write there (Not a "
+                                                    f"directory)")]:
+        line = one_line(capsys, gpu_suite.main, ["--call", "1", "--smoke", "--steps", "environment", "--out", out])
+        assert line == f"error: {says}", line
+    assert (tmp_path / "a-file").read_text() == "mine\n"
+    if os.geteuid() != 0:  # root writes into any folder whatever its permissions
+        (tmp_path / "read-only").mkdir(mode=0o555)
+        line = one_line(capsys, gpu_suite.main, ["--call", "1", "--smoke", "--out", tmp_path / "read-only"])
+        assert line == f"error: --out {tmp_path / 'read-only'}: cannot write there (Permission denied)", line
+
+
+@pytest.mark.parametrize("number, word, status", [(signal.SIGINT, "interrupted", 130),
+                                                  (signal.SIGTERM, "terminated", 143)], ids=["ctrl-c", "sigterm"])
+def test_gpu_suite_stopped_during_a_step_stops_the_step_and_says_what_out_holds(tmp_path, number, word, status):
+    """Ctrl-C (at the suite alone, as a terminal's reaches its process group: a step runs in a group of its own)
+    once ended in a traceback and left the step running as an orphan (compile_times.py --jobs 8). Now the step's
+    group is killed, its rows are packed with the others, and one line says what --out holds."""
+    out = tmp_path / "out"
+    suite_process = subprocess.Popen(suite("--call", "1", "--out", str(out), "--steps", "compile"),
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log, deadline = out / "call1.log", time.monotonic() + 120
+    while not (log.exists() and re.search(r"^pid \d+$", log.read_text(), re.M)):
+        assert time.monotonic() < deadline and suite_process.poll() is None, "the compile step did not start"
+        time.sleep(0.1)
+    step = int(re.search(r"^pid (\d+)$", log.read_text(), re.M).group(1))
+    suite_process.send_signal(number)
+    _, err = suite_process.communicate(timeout=60)
+    assert suite_process.returncode == status
+    assert err.splitlines() == [f"{word}: {out} holds call1.log, call1-rows.tar.gz and call1-goals.md with the rows "
+                                f"of 1 of 1 steps (the last, compile: interrupted)"], err
+    with pytest.raises(ProcessLookupError):
+        os.killpg(step, 0)  # the step's process group is gone
+    assert sorted(path.name for path in out.iterdir()) == ["call1-goals.md", "call1-rows.tar.gz", "call1.log"]
+    assert [(row["step"], row["status"]) for row in archive_rows(out / "call1-rows.tar.gz")["suite"][1]] == [
+        ("compile", "interrupted")]
 
 
 def archive_rows(archive):
@@ -222,6 +340,8 @@ def test_gpu_plan_runs_end_to_end_at_smoke_sizes(tmp_path):
             assert "benchmark" in header and rows, step  # the tests' steps: every GPU test skipped on CPU, a row each
         if call == 1:
             assert all(row["outcome"] == "skipped" for step in ("correctness", "fp32_parity") for row in found[step][1])
+        # The interpreter compiles nothing: its first calls less its warm ones were noise, as much as -27 s.
+        assert all(row["compile_s"] >= 0 for row in found["compile"][1]), found["compile"][1]
         goals, *tables = (out / f"call{call}-goals.md").read_text().split("\n#### ")
         assert goals.count("\n| ") == 2 + 15
         # Each step's rows as a table too (a step killed before its own table loses nothing).

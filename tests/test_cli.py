@@ -17,6 +17,7 @@ from convert.demo import DEMO_PROMPTS
 from convert.flan_to_fat5 import main
 from convert.safety import STAGING_MARK
 from t5_checkpoints import make_t5_checkpoint
+from t5_twins import TRANSFORMERS_5
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -234,3 +235,26 @@ def test_a_conversion_asks_no_question(tmp_path):
                             cwd=REPO, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Do you wish to run the custom code?" not in result.stdout + result.stderr
+
+
+def test_the_demo_and_the_converters_print_no_unlabelled_bars_nor_the_tied_weights_warning(flan, tmp_path, capfd,
+                                                                                           monkeypatch):
+    """README command 1 showed three unlabelled "Loading weights" bars (the parity check's two loads and the demo's
+    pipeline), and converting an untied T5 saved by transformers 5 (which writes tie_word_embeddings true) or
+    converting back printed transformers' "will NOT tie" warning, about a tying the converter decides from the
+    weights. Only the converter's own, labelled bar remains."""
+    import shutil
+
+    from convert import fat5_to_t5
+
+    monkeypatch.chdir(tmp_path)
+    saved = shutil.copytree(flan, tmp_path / "saved-by-5")
+    if TRANSFORMERS_5:  # as transformers 5's save_pretrained writes an untied T5 (4.57 would tie it on loading)
+        config = json.loads((saved / "config.json").read_text())
+        (saved / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    assert main([]) == 0
+    assert main([str(saved), str(tmp_path / "fat5")]) == 0
+    assert fat5_to_t5.main([str(tmp_path / "fat5"), str(tmp_path / "back")]) == 0
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "NOT tie" not in err, err[-3000:]
+    assert "Converting tensors" in err

@@ -54,7 +54,20 @@ def test_pretraining_says_and_uses_its_own_learning_rate_defaults(tmp_path):
 BAD_VALUES = [
     (["--learning_rate", "nan"], "--learning_rate nan: must be a finite number"),
     (["--learning_rate", "inf"], "--learning_rate inf: must be a finite number"),
-    (["--learning_rate", "-1"], "--learning_rate -1.0: must be 0 or more"),
+    (["--learning_rate", "-1"], "--learning_rate -1.0: must be between 1.18e-38 and 3.4e+38, float32's range, in "
+                                "which the optimizer computes (a smaller rate rounds to 0, a larger one overflows)"),
+    (["--learning_rate", "0"], "--learning_rate 0.0: must be between 1.18e-38"),
+    # A rate that parses to 0.0 (the optimizer would refuse it, or Trainer train nothing).
+    (["--learning_rate", "1e-400"], "--learning_rate 0.0: must be between 1.18e-38"),
+    # Finite, but no float32 weight can take its steps (the optimizer's RuntimeError: "value cannot be converted to
+    # type float without overflow").
+    (["--learning_rate", "1e308"], "--learning_rate 1e+308: must be between 1.18e-38"),
+    # numpy's seeds are 0 to 2**32 - 1 (Trainer's set_seed seeds numpy with torch).
+    (["--seed", "-1"], "--seed -1: must be between 0 and 4294967295 (2**32 - 1: numpy's seeds"),
+    (["--seed", str(2**32)], "--seed 4294967296: must be between 0 and 4294967295"),
+    (["--data_seed", str(10**23)], "--data_seed 100000000000000000000000: must be between 0 and 4294967295"),
+    # TrainingArguments itself reads --eval_steps 0 as --logging_steps: refused as given.
+    (["--eval_steps", "0"], "--eval_steps 0.0: must be more than 0"),
     (["--learning_rate", "abc"], "argument --learning_rate/--learning-rate: invalid float value: 'abc'"),
     (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps 0: must be at least 1"),
     (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be at least 1"),
@@ -109,12 +122,57 @@ def test_a_flags_file_is_read_as_the_command_line(command, tmp_path, capsys):
                                        "output_dir": argv[6]}
     for more, says in [({"max_steps": "two"}, "argument --max_steps/--max-steps: invalid int value: 'two'"),
                        ({"max_steps": 2.5}, "invalid int value: '2.5'"),
-                       ({"learning_rate": -1}, "--learning_rate -1.0: must be 0 or more"),
+                       ({"learning_rate": -1}, "--learning_rate -1.0: must be between 1.18e-38"),
+                       ({"seed": 10**23}, "--seed 100000000000000000000000: must be between 0 and 4294967295"),
                        ({"gradient_accumulation_steps": 0}, "--gradient_accumulation_steps 0: must be at least 1"),
                        ({"max_step": 2}, "names flags this command does not have: max_step")]:
         (tmp_path / "flags.json").write_text(json.dumps({**flags, **more}))
         line = one_error_line(capsys, COMMANDS[command].main, [str(tmp_path / "flags.json")])
         assert says in line, line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "pretrain"])
+def test_flags_after_a_flags_file_override_its_values(command, tmp_path, capsys):
+    """`fat5 train flags.json --max_steps 2`: the file is read, and a flag given after it overrides its value (as
+    transformers' HfArgumentParser lets a command line override its args files); a bad value is refused wherever
+    it comes from."""
+    from fat5.recipes.runner import recipe_parser
+    from fat5.training.flags import given_flags, parse
+
+    argv = command_line(command, tmp_path)
+    flags = {argv[index][2:]: argv[index + 1] for index in range(0, len(argv), 2) if argv[index] != "--do_train"} \
+        if command == "pretrain" else {"model_name_or_path": argv[1], "do_train": True, "train_file": argv[4],
+                                       "output_dir": argv[6]}
+    (tmp_path / "flags.json").write_text(json.dumps({**flags, "learning_rate": 1e-3, "seed": 7}))
+    file_and_flags = [str(tmp_path / "flags.json"), "--learning_rate", "2e-3", "--report_to", "none"]
+    parsed = pretraining.parse_args(file_and_flags) if command == "pretrain" else \
+        parse(recipe_parser(train.RECIPE), file_and_flags)
+    training_args = parsed[-1]
+    assert (training_args.learning_rate, training_args.seed, training_args.report_to) == (2e-3, 7, [])
+    assert {"learning_rate", "seed", "report_to", "output_dir"} <= given_flags(file_and_flags)
+    line = one_error_line(capsys, COMMANDS[command].main, [str(tmp_path / "flags.json"), "--seed", "-1"])
+    assert "--seed -1: must be between 0 and 4294967295" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--max_input_length", str(10**12)], "--max_input_length 1000000000000: must be at most 2,147,483,647 tokens "
+                                          "(FAT5 counts positions with 32-bit integers)"),
+    (["--max_input_length", "0"], "--max_input_length 0: must be at least 1"),
+    (["--max_target_length", "-3"], "--max_target_length -3: must be at least 1"),
+    (["--tokenizer_vocab_size", "0"], "--tokenizer_vocab_size 0: must be at least 1"),
+    (["--z_loss", "nan"], "--z_loss nan: must be a finite number"),
+    (["--z_loss", "-1"], "--z_loss -1.0: must be 0 or more"),
+    # Pretraining evaluates nothing: Trainer would stop at its start without an evaluation dataset.
+    (["--eval_strategy", "steps", "--eval_steps", "5"], "--eval_strategy steps: pretraining has no evaluation data"),
+    (["--do_eval"], "--do_eval: pretraining has no evaluation data"),
+], ids=lambda value: " ".join(value) if isinstance(value, list) else None)
+def test_pretraining_refuses_lengths_and_values_it_cannot_use(flags, says, tmp_path, capsys):
+    """Before anything is written (a length of 10**12 tokens was once taken, and the example lengths counted down
+    from it for hours)."""
+    line = one_error_line(capsys, pretrain.main, command_line("pretrain", tmp_path, *flags))
+    assert says in line, line
     assert not (tmp_path / "out").exists()
 
 
@@ -133,3 +191,8 @@ def test_predict_reads_its_flags_with_hf_argument_parser(tmp_path, capsys):
     line = one_error_line(capsys, predict.main, ["--model", tmp_path, "--input_file", tmp_path / "i.csv",
                                                  "--output_file", tmp_path / "o.csv", "--num_beams", "x"])
     assert "argument --num_beams/--num-beams: invalid int value: 'x'" in line
+    # A NaN length penalty ranks every beam alike: every prediction would be wrong, with exit status 0.
+    line = one_error_line(capsys, predict.main, ["--model", tmp_path, "--input_file", tmp_path / "i.csv",
+                                                 "--output_file", tmp_path / "o.csv", "--num_beams", "2",
+                                                 "--length_penalty", "nan"])
+    assert line == "error: --length_penalty nan: must be a finite number"

@@ -6,6 +6,7 @@ naming the `pip install "fat5[EXTRA]"` that installs it, exit status 2; a Ctrl-C
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -167,28 +168,41 @@ def test_a_conversion_without_its_extra_says_so_before_anything_loads(command, m
                                 f'extra{extra_changes(extra)}: pip install "fat5[{extra}]"'], err
 
 
+def test_a_hub_id_that_cannot_be_had_offline_is_refused_before_torch_loads(tmp_path):
+    """`fat5 convert ORG/NAME OUT` offline once refused the id only after torch and transformers had loaded (18 s)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    status, _, err, heavy = fat5_in_process(["convert", "google/flan-t5-base", tmp_path / "out"], env=env)
+    assert status == EXIT_BAD_INPUT and heavy == [], (err[-2000:], heavy)
+    assert len(err.splitlines()) == 1 and err.startswith("error: SRC google/flan-t5-base is neither a local folder nor "
+                                                         "a downloadable Hub model: "), err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("number, word, status", [(signal.SIGINT, "interrupted", 130),
+                                                  (signal.SIGTERM, "terminated", 143)], ids=["ctrl-c", "sigterm"])
 @pytest.mark.parametrize("module", ["fat5.cli", "fat5.recipes.command", "fat5.training.flags", "transformers",
                                     "torch"])
-def test_ctrl_c_while_a_command_imports_is_one_line(module):
-    """Ctrl-C while `fat5` and its command load (here: as `module` is imported) ends with one line and exit status
-    130, whenever it comes after Python itself has started."""
+def test_ctrl_c_or_sigterm_while_a_command_imports_is_one_line(module, number, word, status):
+    """Ctrl-C or SIGTERM while `fat5` and its command load (here: as `module` is imported) ends with one line and
+    exit status 130 or 143, whenever it comes after Python itself has started (a SIGTERM before the command's own
+    handler once ended it silently, killed by the signal)."""
     code = f"""
 import os, signal, sys
 
-class CtrlC:
+class Stop:
     def find_spec(self, name, path=None, target=None):
         if name == {module!r}:
             sys.meta_path.remove(self)
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), {int(number)})
 
-sys.meta_path.insert(0, CtrlC())
+sys.meta_path.insert(0, Stop())
 sys.argv = ["fat5", "train", "--model_name_or_path", "m", "--output_dir", "o", "--do_train"]
 from fat5.commands import console_main
 console_main()
 """
     process = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert process.returncode == 130 and len(process.stderr.splitlines()) == 1, process.stderr[-3000:]
-    assert process.stderr.startswith("interrupted"), process.stderr
+    assert process.returncode == status and len(process.stderr.splitlines()) == 1, process.stderr[-3000:]
+    assert process.stderr.startswith(f"{word}: "), process.stderr
 
 
 def test_a_command_started_with_ctrl_c_ignored_keeps_it_ignored():

@@ -171,6 +171,55 @@ def test_raw_lengths_respect_the_sentinel_supply():
     assert example_lengths(x, length)[2] <= 8 < example_lengths(x, length + 10)[2]
 
 
+def counted_spans_helper(inputs_length, noise_density, mean_span_length):
+    """T5's random_spans_helper as T5 writes it: counting up one raw token at a time."""
+    def lengths(tokens_length):
+        num_noise = int(round(tokens_length * noise_density))
+        num_spans = int(round(num_noise / mean_span_length))
+        return tokens_length - num_noise + num_spans + 1, num_noise + num_spans + 1
+
+    tokens_length = inputs_length - 1
+    while lengths(tokens_length + 1)[0] <= inputs_length:
+        tokens_length += 1
+    targets_length = lengths(tokens_length)[1]
+    if noise_density == 0.5 and targets_length > inputs_length:
+        return tokens_length - 1, targets_length - 1
+    return tokens_length, targets_length
+
+
+def counted_raw_length(denoiser, max_input_length, max_target_length, num_sentinels):
+    """The longest raw length that fits, counting down one token at a time from where max_raw_length starts."""
+    start = random_spans_helper(max_input_length - (1 if denoiser.prefix else 0), denoiser.noise_density,
+                                denoiser.mean_span_length)[0] if denoiser.kind == SPAN \
+        else max_input_length + max_target_length
+    for length in range(start, 1, -1):
+        inputs, targets, sentinels = example_lengths(denoiser, length)
+        if inputs <= max_input_length and targets <= max_target_length and sentinels <= num_sentinels:
+            return length
+    return None
+
+
+def test_raw_lengths_are_found_by_bisection_as_counting_finds_them():
+    """An example's input, target and sentinel counts only grow with its text, so bisection finds the lengths
+    counting finds (counting took hours for --max_input_length 10**12), for every denoiser and budget."""
+    for inputs_length in [*range(1, 300), 511, 512, 4096, 10**5]:
+        for density, mean in ((0.15, 3.0), (0.5, 3.0), (0.5, 32.0), (0.15, 8.0)):
+            assert random_spans_helper(inputs_length, density, mean) == counted_spans_helper(
+                inputs_length, density, mean), (inputs_length, density, mean)
+    budgets = [(i, t, s) for i in (2, 3, 5, 9, 17, 64, 257, 1000) for t in (2, 3, 7, 33, 128, 999) for s in (1, 8, 100)]
+    for denoiser in [*ALL_DENOISERS, Denoiser(SPAN, 3, 0.9, None, "[X]"), Denoiser(RANDOM_PREFIX, 1, 0.05, None, "[S]"),
+                     Denoiser(PREFIX, 1.5, 0.25, None, "[S]"), Denoiser(SPAN, 3, 0.5, 4, None)]:
+        for budget in budgets:
+            expected = counted_raw_length(denoiser, *budget)
+            if expected is None:
+                with pytest.raises(ValueError, match="cannot fit an example"):
+                    max_raw_length(denoiser, *budget)
+            else:
+                assert max_raw_length(denoiser, *budget) == expected, (denoiser, budget)
+    assert max_raw_length(Denoiser(SPAN, 3, 0.15, None, "[R]"), 10**12, 512, 100) == counted_raw_length(
+        Denoiser(SPAN, 3, 0.15, None, "[R]"), 5000, 512, 100)
+
+
 def test_budget_smaller_than_one_example():
     with pytest.raises(ValueError, match="cannot fit an example"):
         mixture(max_input_length=3, max_target_length=3)

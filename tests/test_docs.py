@@ -50,7 +50,7 @@ HUB_IDS = {"google/flan-t5-base": str(DEMO_CHECKPOINT),
 # (flag, value as the docs write it) -> the tiny value run here. `--config base` becomes a tiny T5 config
 # (tests/test_pretrain.py's TINY), written into the workspace.
 TINY_VALUES = {("--config", "base"): "tiny-config.json",
-               ("--max_steps", "65536"): "2", ("--max_steps", "10000"): "2",
+               ("--max_steps", "65536"): "2", ("--max_steps", "10000"): "2", ("--max_steps", "30"): "2",
                ("--per_device_train_batch_size", "128"): "4", ("--per_device_train_batch_size", "64"): "4",
                ("--warmup_steps", "10000"): "0"}
 # Flags added to a command (its text as in `commands`): the sample data at a fraction of its size.

@@ -50,6 +50,34 @@ def test_card_metadata_and_body(tmp_path):
     assert "{{" not in body and "{%" not in body
 
 
+def test_the_cards_pipeline_line_shows_the_answer_where_it_is_known(tmp_path):
+    """The card's pipeline snippet printed `[{'generated_text': '...'}]`, which reads as the model's answer. It shows
+    the answer where the converter knows it (the demo's, checked after converting), else the output's form."""
+    known = dict(task_example({}), output="mat the on sat cat the")
+    text = render_model_card(tmp_path, **CARD_ARGS, repo_id="me/x", example=known).read_text()
+    assert "# [{'generated_text': 'mat the on sat cat the'}]" in text and "'...'" not in text
+    text = render_model_card(tmp_path, **CARD_ARGS, repo_id="me/x").read_text()
+    assert "# a list with one dict per input: [{'generated_text': <the model's answer>}]" in text
+    assert "'...'" not in text
+
+
+def test_a_training_runs_card_keeps_small_metrics(tmp_path):
+    """A fine-tuned card's metadata said eval loss 0.0 where its table said 3.9e-06 (rounded to 4 decimals): both
+    keep 4 significant digits."""
+    from huggingface_hub import ModelCard
+
+    from fat5.training.model_card import RunCard
+
+    card = RunCard(command="fat5 train ...", task="text2text-generation", base_model=None,
+                   data={"validation": "dev.csv (8 rows)"}, results={"eval": {"eval_loss": 3.9031e-06,
+                                                                              "eval_accuracy": 0.123456}})
+    card.write(tmp_path)
+    loaded = ModelCard.load(tmp_path / "README.md")
+    assert {result.metric_type: result.metric_value for result in loaded.data.eval_results} == {
+        "loss": 3.903e-06, "accuracy": 0.1235}
+    assert "| validation | `dev.csv (8 rows)` | loss | 3.903e-06 |" in loaded.text
+
+
 def test_card_without_source_metadata(tmp_path):
     args = {**CARD_ARGS, "base_model": None, "license": None}
     card = ModelCard.load(render_model_card(tmp_path, **args, folder_name="my-fat5"))

@@ -12,9 +12,8 @@ from transformers import AutoModelForSeq2SeqLM
 
 from convert.flan_to_fat5 import main as convert_main
 from fat5 import FAT5ForConditionalGeneration
-from fat5.compat_fat5 import cache_field
+from fat5.compat_fat5 import cache_field, output_cache
 from t5_checkpoints import make_t5_checkpoint, padded_batch
-from t5_twins import TRANSFORMERS_5
 
 peft = pytest.importorskip("peft")
 
@@ -49,14 +48,14 @@ def encoder_inputs(model):
     return {name: batch[name] for name in ("input_ids", "attention_mask")}
 
 
-def generate(model, use_cache=True):
+def generate(model, use_cache=True, **options):
     """Greedy tokens of `model` (a PEFT model, or a plain one)."""
     base = model.get_base_model() if isinstance(model, peft.PeftModel) else model
     with torch.no_grad(), warnings.catch_warnings():
         # transformers 5.24's T5 and FAT5 alike say that PEFT passes its cache under the deprecated name.
         warnings.simplefilter("ignore", FutureWarning)
         return model.generate(**encoder_inputs(base), max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
-                              use_cache=use_cache)
+                              use_cache=use_cache, **options)
 
 
 def prefix_greedy(peft_model):
@@ -76,23 +75,45 @@ def prefix_greedy(peft_model):
 
 @pytest.mark.parametrize("method", ["prefix", "prefix-projection"])
 def test_prefix_tuning_generates_the_tokens_of_its_prefix(twins, method):
-    """With the cache, FAT5 generates what prefix tuning computes by definition (T5's forward, step by step) on
-    every release. T5's own generate does not: transformers 5.24's passes the empty cache it made as `cache` beside
-    PEFT's virtual tokens under the old name, and T5 drops them; 4.57's places the decoder's tokens by the positions
-    generate counts (`cache_position`), which leave the virtual tokens out."""
+    """With a dynamic cache, a static one or none, FAT5 generates what prefix tuning computes by definition (T5's
+    forward, step by step, the decoder's tokens placed after the virtual tokens, as PEFT's training forward places
+    them) on every release. T5's own generate does not: transformers 5.24's passes the empty cache it made as
+    `cache` beside PEFT's virtual tokens under the old name, and T5 drops them; 4.57's places the decoder's tokens by
+    the positions generate counts (`cache_position`), which leave the virtual tokens out (its first step then sees
+    the first virtual token only), so 4.57's T5 generates other tokens than its own forward under the same prefix."""
     t5, fat5 = (adapted(model, method) for model in twins)
     expected = prefix_greedy(t5)
     assert expected[:, 1:].unique().numel() >= 4, expected
     assert not torch.equal(expected, generate(twins[0]))  # the prefix changes the tokens: a dropped one would show
     assert torch.equal(prefix_greedy(fat5), expected)
     assert torch.equal(generate(fat5, use_cache=True), expected)
-    # Without a cache, generate hands the model the cache of its previous step (PEFT passes its virtual tokens at
-    # the first step only) with every token again: FAT5 computes what transformers 5's T5 computes. (4.57's T5
-    # places the tokens by generate's count again.)
-    tokens = generate(fat5, use_cache=False)
-    assert tokens.shape == expected.shape
-    if TRANSFORMERS_5:
-        assert torch.equal(tokens, generate(t5, use_cache=False))
+    assert torch.equal(generate(fat5, cache_implementation="static"), expected)
+    # Without a cache, generate hands the model every token again with the cache the last forward returned (PEFT
+    # passes its virtual tokens at the first step only). FAT5 reads a cache given with use_cache=False and leaves it
+    # as it was, so every step is a whole forward after the virtual tokens. (Written into, as T5 does, it grew by
+    # each step's tokens, which the next step placed after a copy of themselves.)
+    assert torch.equal(generate(fat5, use_cache=False), expected)
+
+
+def test_a_forward_without_a_cache_reads_the_cache_it_is_given_and_leaves_it(twins):
+    """use_cache=False with a cache (PEFT's virtual tokens): the forward attends to them, returns the cache as it
+    was given, and a prefix's gradient reaches the virtual tokens."""
+    fat5 = adapted(twins[1], "prefix")
+    model, batch = fat5.get_base_model(), encoder_inputs(twins[1])
+    rows = batch["input_ids"].shape[0]
+    decoder = torch.full((rows, 3), model.config.decoder_start_token_id)
+    prompt = fat5.get_prompt(rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        output = model(**batch, decoder_input_ids=decoder, use_cache=False, **cache_field(prompt))
+        with torch.no_grad():
+            cached = model(**batch, decoder_input_ids=decoder, use_cache=True, **cache_field(fat5.get_prompt(rows)))
+            without_prefix = model(**batch, decoder_input_ids=decoder, use_cache=False)
+    assert output_cache(output) is prompt and prompt.get_seq_length() == 5
+    assert torch.allclose(output.logits, cached.logits, rtol=1e-5, atol=1e-5 * cached.logits.abs().max().item())
+    assert not torch.allclose(output.logits, without_prefix.logits, atol=1e-3)
+    output.logits.sum().backward()
+    assert all(parameter.grad is not None for parameter in fat5.parameters() if parameter.requires_grad)
 
 
 @pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no-cache"])

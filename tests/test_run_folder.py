@@ -135,8 +135,8 @@ def test_latest_without_a_checkpoint_and_bad_checkpoint_paths(tmp_path):
     out = tmp_path / "run"
     with RunFolder(out).opened():
         pass
-    with pytest.raises(CommandError, match="holds no complete checkpoint of its run"):
-        RunFolder(out, "last").open()
+    with RunFolder(out, "last").opened() as run_folder:  # a run with no checkpoint yet starts again, the same run
+        assert run_folder.resume_checkpoint is None and run_folder.run_id == read_record(out)["run"]
     with pytest.raises(CommandError, match="no checkpoint folder at --resume_from_checkpoint"):
         RunFolder(tmp_path / "other", tmp_path / "nope").open()
     (tmp_path / "plain").mkdir()
@@ -206,6 +206,106 @@ def test_a_second_process_on_the_same_folder_is_refused(tmp_path):
     with RunFolder(out).opened():
         pass
     assert sorted(os.listdir(out)) == [LOCK_NAME, RECORD_NAME]
+
+
+HOLDER_WITHOUT_FCNTL = """
+import sys, time
+sys.modules["fcntl"] = None  # its import fails, as on Windows
+from fat5 import safe_files
+from fat5.training.run_folder import RunFolder
+assert safe_files.fcntl is None
+with RunFolder(sys.argv[1]).opened():
+    print("locked", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_where_fcntl_is_missing_the_lock_is_a_file_created_exclusively(tmp_path, monkeypatch):
+    """Without fcntl (Windows) two runs into one folder both ran: the lock is then the lock file itself, created
+    exclusively with the process id; a second run is refused, and a lock file a killed run left (its process gone)
+    is taken over."""
+    from fat5 import safe_files
+
+    monkeypatch.setattr(safe_files, "fcntl", None)
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER_WITHOUT_FCNTL, str(out)], cwd=REPO,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert (out / LOCK_NAME).read_text().split()[0] == str(holder.pid)
+        with pytest.raises(CommandError, match=rf"is in use by another run \(process {holder.pid}\)"):
+            RunFolder(out, "latest").open()
+        with pytest.raises(CommandError, match="is in use by another run"):
+            RunFolder(out, overwrite=True).open()
+        assert holder.poll() is None
+        holder.kill()  # kill -9: the lock file stays, naming a process that no longer exists
+        holder.wait(timeout=60)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+    assert (out / LOCK_NAME).read_text().split()[0] == str(holder.pid)
+    with RunFolder(out, "latest").opened() as run_folder:  # the stale lock is taken over
+        assert (out / LOCK_NAME).read_text().split()[0] == str(os.getpid())
+        with pytest.raises(CommandError, match=rf"is in use by another run \(process {os.getpid()}\)"):
+            RunFolder(out, "latest").open()
+        assert run_folder.resume_checkpoint is None
+    assert sorted(os.listdir(out)) == [RECORD_NAME]  # the lock file goes when the run ends
+    # An empty lock file (its process killed between creating and writing it) is stale once old.
+    (out / LOCK_NAME).write_text("")
+    with pytest.raises(CommandError, match=r"is in use by another run \(process \?\)"):
+        RunFolder(out, "latest").open()
+    os.utime(out / LOCK_NAME, (0, 0))
+    with RunFolder(out, "latest").opened():
+        pass
+
+
+KILLED_IN_THE_FIRST_CHECKPOINT = """
+import os, signal, sys
+from pathlib import Path
+from transformers import Trainer
+sys.path.insert(0, sys.argv[2])
+from test_run_folder import RunFolder, train
+
+def killed(self, output_dir):  # kill -9 while Trainer writes checkpoint-2, the run's first
+    (Path(sys.argv[1]) / ".checkpoint-2.partial-12345-x7k2").mkdir()  # and a save_pretrained staging folder
+    (Path(sys.argv[1]) / ".fat5_run.json.12345.tmp").write_text("{")  # a record being written
+    os.kill(os.getpid(), signal.SIGKILL)
+
+Trainer._save_rng_state = killed
+with RunFolder(sys.argv[1]).opened():
+    train(sys.argv[1], 4)
+"""
+
+
+@pytest.mark.parametrize("how", ["resume", "overwrite"])
+def test_a_run_killed_in_its_first_checkpoint_is_resumed_or_replaced(tmp_path, how):
+    """`kill -9` while the first checkpoint was written: resuming said "no complete checkpoint", and
+    --overwrite_output_dir "holds what no FAT5 run wrote" about FAT5's own leftovers. The checkpoint is recorded as
+    the run's before Trainer writes it, and staging folders and temporary files are FAT5's: a resume trains the run
+    again from its first step, --overwrite_output_dir replaces it; a file of the user's is still never deleted."""
+    out = tmp_path / "run"
+    killed = subprocess.run([sys.executable, "-c", KILLED_IN_THE_FIRST_CHECKPOINT, str(out),
+                             str(Path(__file__).parent)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    left = sorted(os.listdir(out))
+    assert left == sorted([".checkpoint-2.partial-12345-x7k2", ".fat5_run.json.12345.tmp", LOCK_NAME, "checkpoint-2",
+                           RECORD_NAME]), left
+    assert not (out / "checkpoint-2" / RECORD_NAME).exists()  # incomplete
+    with pytest.raises(CommandError, match=r"last complete checkpoint: none\); continue it with "
+                                           r"--resume_from_checkpoint latest \(it trains again from its first step\), "
+                                           r"or pass --overwrite_output_dir"):
+        RunFolder(out).open()
+    if how == "overwrite":
+        (out / "notes.txt").write_text("mine")
+        with pytest.raises(CommandError, match=r"also holds what no FAT5 run wrote \(notes.txt\)"):
+            RunFolder(out, overwrite=True).open()
+        (out / "notes.txt").unlink()
+    with RunFolder(out, *(["latest"] if how == "resume" else []), overwrite=how == "overwrite").opened() as run_folder:
+        assert run_folder.resume_checkpoint is None
+        assert sorted(os.listdir(out)) == [LOCK_NAME, RECORD_NAME]  # every leftover cleaned
+        train(out, 4)
+    assert [path.name for path in complete_checkpoints(out, read_record(out)["run"])] == ["checkpoint-2",
+                                                                                          "checkpoint-4"]
 
 
 def test_inputs_are_checked_against_the_folder_before_anything_is_written(tmp_path):

@@ -149,3 +149,47 @@ def test_the_converters_output_on_a_full_disk(demo_fat5, tmp_path, capsys, monke
     line = one_error_line(capsys, fat5_to_t5.main, [demo_fat5, back])
     assert line == f"error: writing {back} failed (No space left on device); nothing was written to {back}"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]  # no staging folder left
+
+
+# -- fat5 sample-data ----------------------------------------------------------------------------------------------
+
+def test_sample_data_on_a_full_disk_writes_nothing(tmp_path, capsys, monkeypatch):
+    """A disk that fills while the files are written: one line naming the folder, and none of the files (they are
+    written into a staging folder, then renamed into place); a disk that has not the room they need is refused
+    before anything is written. A file of the user's in the folder is kept as it was."""
+    from pathlib import Path
+
+    from fat5.recipes import sample_data
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine\n")
+    write_text = Path.write_text
+
+    def fill_the_disk(path, *args, **kwargs):
+        if path.name == "pairs_train.csv":  # the sixth of the fifteen files
+            raise disk_full_in_open_or_write()
+        return write_text(path, *args, **kwargs)
+
+    with monkeypatch.context() as patches:
+        patches.setattr(Path, "write_text", fill_the_disk)
+        line = one_error_line(capsys, sample_data.main, [folder, "--rows", "24"])
+    assert line == f"error: writing the sample files into {folder} failed (No space left on device); nothing was " \
+                   f"written"
+    assert sorted(path.name for path in tmp_path.rglob("*")) == ["data", "notes.txt"]  # no staging folder left
+    assert (folder / "notes.txt").read_text() == "mine\n"
+    usage = shutil_usage(free=1000)
+    with monkeypatch.context() as patches:
+        patches.setattr(sample_data.shutil, "disk_usage", lambda path: usage)
+        line = one_error_line(capsys, sample_data.main, [folder, "--rows", "24"])
+    assert re.fullmatch(rf"error: the sample files need 0\.\d MiB and the disk of {re.escape(str(folder))} has "
+                        r"0\.0 MiB free: choose fewer --rows or another folder", line), line
+    assert sorted(path.name for path in tmp_path.rglob("*")) == ["data", "notes.txt"]
+    assert sample_data.main([str(folder), "--rows", "24"]) == 0  # once there is room
+    assert len(list(folder.rglob("*.*"))) == 16
+
+
+def shutil_usage(free):
+    import shutil
+
+    return shutil._ntuple_diskusage(10**9, 10**9 - free, free)

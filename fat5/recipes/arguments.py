@@ -1,7 +1,7 @@
 """The recipes' own flags and what a recipe adds to the one runner (fat5/recipes/runner.py).
 
 Every recipe parses these dataclasses plus transformers' `Seq2SeqTrainingArguments` (or `TrainingArguments`) with
-`HfArgumentParser`, so all Trainer flags (--output_dir, --max_steps, --bf16, --gradient_checkpointing,
+`HfArgumentParser`, so all Trainer flags (--output_dir, --max_steps, --bf16, --activation_checkpointing,
 --deepspeed, --fsdp, ...) pass through unchanged.
 
 Only the standard library is imported here (fat5/recipes/data.py uses no more), so that a recipe's command

@@ -14,7 +14,13 @@ from pathlib import Path
 
 from fat5 import register_auto_classes
 from fat5.cli import CommandError, error_line, exit_with, require, run, write_failures_reported
-from fat5.files import check_model_folder, check_tokenizer_folder, pickles_refused
+from fat5.files import (
+    check_attention_device,
+    check_model_folder,
+    check_tokenizer_folder,
+    pickles_refused,
+    read_json_object,
+)
 from fat5.recipes.arguments import FileFormatArguments, require_positive
 from fat5.recipes.data import exact_match, read_table, write_predictions
 from fat5.training.flags import CommandFlags, parse, parser
@@ -78,6 +84,13 @@ def check_device(device):
                            f"{wanted.type} device(s)")
 
 
+def pipeline_device_type(device):
+    """The type of device the pipeline runs on: --device's, else the first accelerator's (as the pipeline picks)."""
+    import torch
+
+    return torch.device(device).type if device is not None else "cuda" if torch.cuda.is_available() else "cpu"
+
+
 FLAGS = CommandFlags("python -m fat5.recipes.predict", __doc__, (PredictArguments, FileFormatArguments))
 
 
@@ -97,6 +110,8 @@ def predict(argv, progress):
         check_device(args.device)
     check_model_folder(args.model)  # before the pipeline reads it
     check_tokenizer_folder(args.model, "--model")
+    check_attention_device(read_json_object(Path(args.model) / "config.json"), pipeline_device_type(args.device),
+                           f"--model {args.model}")
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
 
     from tqdm.auto import tqdm

@@ -32,14 +32,16 @@ from fat5 import register_auto_classes
 from fat5.cli import CommandError, Progress, error_line, write_failures_reported
 from fat5.files import (
     CHECKPOINT_JSON,
+    check_attention_device,
     check_model_folder,
     check_tokenizer_folder,
     pickles_refused,
+    read_json_object,
 )
 from fat5.recipes.arguments import FileFormatArguments, ModelArguments, changed_defaults
 from fat5.recipes.data import load_dataset_splits, read_table, write_predictions
 from fat5.training.finite import check_finite_weights
-from fat5.training.flags import check_trainer_values, given_flags, parse, parser
+from fat5.training.flags import check_trainer_values, checkpointing_flag, flags_file, given_flags, parse, parser
 from fat5.training.model_card import ModelCardTrainerMixin, RunCard, command_line
 from fat5.training.packing import PackedSeq2SeqCollator, PackedTrainingMixin
 from fat5.training.quiet import quiet_trainer_run
@@ -64,7 +66,8 @@ RESUME_ADVICE = "resume from a checkpoint FAT5 wrote instead, or fine-tune its w
 
 
 @dataclass
-class RecipeSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, RunFolderArguments):
+class RecipeSeq2SeqTrainingArguments(*checkpointing_flag(Seq2SeqTrainingArguments), Seq2SeqTrainingArguments,
+                                     RunFolderArguments):
     _argument_group_name = "Trainer options (transformers' Seq2SeqTrainingArguments)"
     # The default this runner uses (train_evaluate_predict), not the one transformers' help names.
     generation_max_length: int | None = field(default=None, metadata={
@@ -73,7 +76,7 @@ class RecipeSeq2SeqTrainingArguments(Seq2SeqTrainingArguments, RunFolderArgument
 
 
 @dataclass
-class RecipeTrainingArguments(TrainingArguments, RunFolderArguments):
+class RecipeTrainingArguments(*checkpointing_flag(TrainingArguments), TrainingArguments, RunFolderArguments):
     _argument_group_name = "Trainer options (transformers' TrainingArguments)"
 
 
@@ -407,6 +410,9 @@ def fine_tune(recipe, argv=None, progress=None, program="python -m fat5.recipes"
         recipe.check_training(tables["train"], examples["train"][1], data_args)
     check_model_folder(model_args.model_name_or_path)  # before transformers and the tokenizer read it
     check_tokenizer_folder(model_args.model_name_or_path, "--model_name_or_path")
+    if Path(model_args.model_name_or_path, "config.json").is_file():
+        check_attention_device(read_json_object(Path(model_args.model_name_or_path) / "config.json"),
+                               training_args.device.type, f"--model_name_or_path {model_args.model_name_or_path}")
     run_folder = None
     if training_args.do_train:
         run_folder = RunFolder(training_args.output_dir, training_args.resume_from_checkpoint,
@@ -433,8 +439,8 @@ def run_inputs(model_args, data_args, training_args, argv):
     inputs += [RunInput(f"--{flag}", getattr(data_args, flag)) for flag in FILE_FLAGS.values()]
     if isinstance(training_args.deepspeed, str):
         inputs.append(RunInput("--deepspeed", training_args.deepspeed))
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        inputs.append(RunInput("the flags file", argv[0]))
+    if flags_file(argv):
+        inputs.append(RunInput("the flags file", flags_file(argv)))
     return inputs
 
 

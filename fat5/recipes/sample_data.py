@@ -21,11 +21,13 @@ import argparse
 import csv
 import io
 import json
+import os
 import random
+import shutil
 from pathlib import Path
 
-from fat5.cli import CliParser, CommandError, exit_with, run
-from fat5.safe_files import write_atomically
+from fat5.cli import CliParser, CommandError, exit_with, run, write_failures_reported
+from fat5.safe_files import StagedFolder, fsync_tree, signals_deferred
 
 # The demo model's words (scripts/train_demo_t5.py).
 ANIMALS = "cat dog bird fish fox cow hen owl".split()
@@ -41,6 +43,7 @@ TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
 LABELS = ("entailment", "neutral", "contradiction")
 SPLITS = {"train": 1, "dev": 8, "test": 8}  # rows of a split: --rows divided by this
 ROWS = 128  # 3 epochs of Trainer's default batches take 48 steps
+MAX_ROWS = 100_000  # about 93 MB of files, made in memory in 6 s: sample data, not a data set
 
 
 def spell(number):
@@ -132,8 +135,10 @@ def sample_files(rows, seed=0):
 
 
 def write_files(folder, files):
-    """Write `files` into `folder`, each whole (fat5/safe_files.py); a file already there is kept when it
-    holds the same text, and refused, before anything is written, when it does not."""
+    """Write `files` into `folder` whole or not at all: a file already there is kept when it holds the same text,
+    and refused, before anything is written, when it does not; the others are written into a staging folder beside
+    `folder` (fat5/safe_files.py), flushed, then renamed into place with Ctrl-C held, so that a failed write (a full
+    disk) leaves nothing of them. Returns the names written."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise CommandError(f"{folder} exists and is not a folder")
@@ -142,14 +147,24 @@ def write_files(folder, files):
         if path.exists() and (not path.is_file() or path.read_bytes() != text.encode()):
             raise CommandError(f"{path} exists with other content (another --rows or --seed, or a file of yours); "
                                f"choose another folder")
-    written = []
-    for name, text in files.items():
-        path = folder / name
-        if path.exists():
-            continue
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, text)
-        written.append(name)
+    written = [name for name in files if not (folder / name).exists()]
+    if not written:
+        return written
+    needed = sum(len(files[name].encode()) for name in written)
+    existing = next(path for path in (folder, *folder.absolute().parents) if path.is_dir())
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        raise CommandError(f"the sample files need {needed / 2**20:.1f} MiB and the disk of {existing} has "
+                           f"{free / 2**20:.1f} MiB free: choose fewer --rows or another folder")
+    with write_failures_reported(f"the sample files into {folder}", folder), StagedFolder(folder) as staging:
+        for name in written:
+            (staging.path / name).parent.mkdir(parents=True, exist_ok=True)
+            (staging.path / name).write_text(files[name], encoding="utf-8")
+        fsync_tree(staging.path)
+        with signals_deferred():
+            for name in written:
+                (folder / name).parent.mkdir(parents=True, exist_ok=True)
+                os.rename(staging.path / name, folder / name)
     return written
 
 
@@ -158,15 +173,18 @@ def build_parser():
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("folder", metavar="DIR", help="where to write the files (made if missing)")
     parser.add_argument("--rows", type=int, default=ROWS, help=f"training rows a task; dev and test get an eighth "
-                                                              f"(default: {ROWS})")
+                                                              f"(default: {ROWS}; at most {MAX_ROWS:,})")
     parser.add_argument("--seed", type=int, default=0, help="the random seed the rows are drawn with (default: 0)")
     return parser
 
 
 def sample_data(argv, progress):
     args = build_parser().parse_args(argv)
-    if args.rows < 3:
-        raise CommandError(f"--rows {args.rows}: must be at least 3")
+    if not args.folder.strip():
+        raise CommandError(f"DIR {args.folder!r} names no folder: give one, such as data")
+    if not 3 <= args.rows <= MAX_ROWS:
+        raise CommandError(f"--rows {args.rows}: must be between 3 and {MAX_ROWS:,} (sample files to try the "
+                           f"commands on; {MAX_ROWS:,} rows make about 93 MB)")
     files = sample_files(args.rows, args.seed)
     written = write_files(args.folder, files)
     kept = len(files) - len(written)

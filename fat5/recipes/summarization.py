@@ -2,7 +2,7 @@
 
     python -m fat5.recipes.summarization --model_name_or_path ./fat5-demo --output_dir out/summarization \\
         --train_file train.jsonl --validation_file dev.jsonl --do_train --do_eval \\
-        --bf16 --gradient_checkpointing [--deepspeed fat5/recipes/configs/ds_zero3_bf16.json] [--lora]
+        --bf16 --activation_checkpointing [--deepspeed fat5/recipes/configs/ds_zero3_bf16.json] [--lora]
 
 Large models: launch with `deepspeed --num_gpus N -m fat5.recipes.summarization ... --deepspeed
 fat5/recipes/configs/ds_zero3_bf16.json` (or ds_zero3_offload_bf16.json), or `accelerate launch --config_file

@@ -130,6 +130,23 @@ def random_prefix_noise_mask(length, noise_density, rng):
     return np.arange(length) >= rng.integers(min_input, max_input + 1)
 
 
+def _last_true(test, low, high=None):
+    """The largest n >= `low` (and <= `high`, when given) with `test(n)` true, for a `test` true up to some n and
+    false after it (true at `low`): galloping up, then bisecting."""
+    if high is None:
+        step = 1
+        while test(low + step):
+            step *= 2
+        high = low + step - 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        if test(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 def random_spans_helper(inputs_length, noise_density, mean_span_length, extra_tokens_per_span_inputs=1,
                         extra_tokens_per_span_targets=1):
     """T5's `random_spans_helper`: the raw text length whose span-corrupted input is at most `inputs_length`
@@ -142,9 +159,10 @@ def random_spans_helper(inputs_length, noise_density, mean_span_length, extra_to
         return (tokens_length - num_noise + num_spans * extra_tokens_per_span_inputs + 1,
                 num_noise + num_spans * extra_tokens_per_span_targets + 1)
 
-    tokens_length = inputs_length - 1
-    while lengths(tokens_length + 1)[0] <= inputs_length:
-        tokens_length += 1
+    # T5 counts up from inputs_length - 1 while the next length still fits; the input length only grows with the
+    # text's, so the same length is found by bisection (steps logarithmic in inputs_length, not linear).
+    start = inputs_length - 1
+    tokens_length = start + _last_true(lambda extra: lengths(start + extra)[0] <= inputs_length, 0)
     _, targets_length = lengths(tokens_length)
     # T5 keeps the targets no longer than the (usually round) inputs length at r = 0.5.
     if noise_density == 0.5 and targets_length > inputs_length:
@@ -178,10 +196,16 @@ def max_raw_length(denoiser, max_input_length, max_target_length, num_sentinels)
                                        denoiser.mean_span_length)
     else:
         start = max_input_length + max_target_length
-    for length in range(start, 1, -1):
+
+    def fits(length):
         inputs, targets, sentinels = example_lengths(denoiser, length)
-        if inputs <= max_input_length and targets <= max_target_length and sentinels <= num_sentinels:
-            return length
+        return inputs <= max_input_length and targets <= max_target_length and sentinels <= num_sentinels
+
+    # The longest length from `start` down that fits. An example's input, target and sentinel counts only grow with
+    # its text's length, so the lengths that fit are those up to one: found by bisection, in steps logarithmic in
+    # the budgets (counting down from `start` took hours for a budget of 10^12 tokens).
+    if start >= 2 and fits(2):
+        return start if fits(start) else 2 + _last_true(lambda extra: fits(2 + extra), 0, start - 2)
     raise ValueError(f"denoiser {denoiser} cannot fit an example of even 2 text tokens in max_input_length="
                      f"{max_input_length} and max_target_length={max_target_length} with {num_sentinels} sentinels")
 

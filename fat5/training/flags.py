@@ -4,9 +4,10 @@
 `--help` lists the command's own flags, rendered by argparse from those dataclasses without transformers (at once);
 `--help-all` adds the Trainer's, from HfArgumentParser over every flag. Any other command line is parsed once, by
 HfArgumentParser over every flag, once the command has imported transformers' TrainingArguments (and torch: several
-seconds). `check_trainer_values` then refuses, in one line each, the values Trainer would accept and then fail on
-deep in the run or train on silently (a NaN learning rate, no accumulation steps, a batch of 0, ...), before any
-model loads.
+seconds); a command line may start with a flags file (`expand_flags_file`). `check_values` refuses, in one line each,
+the values as given that a run would accept and then fail on deep in the run or train on silently (a NaN learning
+rate or length penalty, no accumulation steps, a batch of 0, a seed numpy refuses, ...), before any model loads, and
+`check_trainer_values` what Trainer's values say together.
 
 Only the standard library is imported with this module (transformers when a parser is made).
 """
@@ -47,6 +48,30 @@ class RunFolderArguments:
     allow_non_finite: bool = field(default=False, metadata={
         "help": "train a model holding NaN or infinite weights, and go on when a gradient, loss or weight turns "
                 "non-finite (otherwise refused, or the run stops with exit status 1 before saving it)"})
+
+
+@dataclass
+class ActivationCheckpointing:
+    """--activation_checkpointing where transformers' TrainingArguments lacks it: transformers 5.24 renamed
+    --gradient_checkpointing so and warns about the old name, which the releases before it know alone. Mixed first
+    into a TrainingArguments subclass (`checkpointing_flag`), it sets gradient_checkpointing, so the docs' commands
+    spell the flag one way on every admitted release."""
+
+    activation_checkpointing: bool = field(default=False, metadata={
+        "help": "recompute activations in the backward pass instead of storing them (transformers 5.24's name for "
+                "--gradient_checkpointing, given to earlier releases by FAT5)"})
+
+    def __post_init__(self):
+        if self.activation_checkpointing:
+            self.gradient_checkpointing = True
+        super().__post_init__()
+
+
+def checkpointing_flag(training_class):
+    """The mixins a TrainingArguments subclass of FAT5's takes first for --activation_checkpointing: none where
+    `training_class` has the field (transformers 5.24 and later), else ActivationCheckpointing."""
+    names = {flag.name for flag in dataclasses.fields(training_class)}
+    return () if "activation_checkpointing" in names else (ActivationCheckpointing,)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -115,14 +140,28 @@ def _flag_value(value):
     return json.dumps(value) if isinstance(value, dict) else str(value)
 
 
+def flags_file(argv):
+    """The flags file a command line starts with (`fat5 train flags.json [--flag value ...]`), or None."""
+    return argv[0] if argv and argv[0].endswith(".json") and not argv[0].startswith("-") else None
+
+
+def expand_flags_file(argv, dataclass_types):
+    """The command line with its flags file (`flags_file`) replaced by the flags it holds: the flags given after the
+    file come last, so they override the file's (argparse keeps a flag's last value), as transformers'
+    HfArgumentParser lets a command line override its args files."""
+    path = flags_file(argv)
+    return argv if path is None else [*flags_file_argv(path, dataclass_types), *argv[1:]]
+
+
 def parse(flags_parser, argv=None):
     """The dataclasses `flags_parser` (a `parser(...)`) reads from the command line `argv` (a list, default
-    sys.argv[1:]), or from a flags file when `argv` is one .json file; the JSON files Trainer flags name are read
-    first. Raises CommandError for a bad flag, value, file, or dataclass check."""
+    sys.argv[1:]), which may start with a flags file (`expand_flags_file`); the JSON files Trainer flags name are
+    read first, and the values as given are checked (`check_values`) before the dataclasses are made (transformers
+    replaces some, such as `--eval_steps 0`). Raises CommandError for a bad flag, value, file, or dataclass check."""
     argv = sys.argv[1:] if argv is None else [str(arg) for arg in argv]
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        argv = flags_file_argv(argv[0], flags_parser.dataclass_types)
+    argv = expand_flags_file(argv, flags_parser.dataclass_types)
     check_trainer_json_files(argv)
+    check_values(vars(flags_parser.parse_known_args(args=argv)[0]))
     try:
         return flags_parser.parse_args_into_dataclasses(args=argv)
     except ValueError as error:  # flags HfArgumentParser does not use, and TrainingArguments' own checks
@@ -130,43 +169,69 @@ def parse(flags_parser, argv=None):
 
 
 def given_flags(argv=None):
-    """The names of the flags a command line (or its flags file) gives, underscored: what the user asked for, where
+    """The names of the flags a command line (and its flags file) gives, underscored: what the user asked for, where
     a command would change a default."""
     argv = sys.argv[1:] if argv is None else [str(arg) for arg in argv]
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return set(read_json_object(argv[0], "the flags file "))
-    return {arg[2:].partition("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    path = flags_file(argv)
+    given = set(read_json_object(path, "the flags file ")) if path else set()
+    return given | {arg[2:].partition("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
 
 
-# Trainer values no run can use: the fields, the test each value given (not None) must pass, and what it must be.
+# The range an optimizer computes a learning rate in: float32's normal numbers (the optimizers step float32 or
+# narrower weights, whose arithmetic turns a larger rate into inf and a smaller one into 0 or lost precision).
+FLOAT32_TINY, FLOAT32_MAX = 2.0**-126, (2 - 2.0**-23) * 2.0**127
+# numpy's seeds, which transformers' set_seed (and Trainer) gives numpy with torch's and Python's.
+SEED_MAX = 2**32 - 1
+# The most tokens a sequence may hold: FAT5 counts positions and a packed batch's tokens with 32-bit integers. (No
+# tokenizer's model_max_length bounds FAT5's lengths: T5's 512 is no limit of its relative positions.)
+MAX_TOKENS = 2**31 - 1
+TOKEN_LENGTHS = ("max_input_length", "max_target_length", "max_source_length", "max_new_tokens",
+                 "generation_max_length")
+# Flag values no run can use: the fields, the test each value given (not None) must pass, and what it must be.
+# Checked on the values as given, before TrainingArguments replaces any (it reads `--eval_steps 0` as
+# --logging_steps).
 VALUE_RULES = (
     (("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
       "eval_accumulation_steps", "dataloader_prefetch_factor", "torch_empty_cache_steps", "generation_max_length",
       "generation_num_beams"), lambda value: value >= 1, "must be at least 1"),
-    (("learning_rate", "weight_decay", "max_grad_norm", "warmup_steps", "warmup_ratio", "dataloader_num_workers",
-      "neftune_noise_alpha", "label_smoothing_factor", "num_train_epochs"), lambda value: value >= 0,
+    (("learning_rate",), lambda value: FLOAT32_TINY <= value <= FLOAT32_MAX,
+     f"must be between {FLOAT32_TINY:.3g} and {FLOAT32_MAX:.3g}, float32's range, in which the optimizer computes "
+     f"(a smaller rate rounds to 0, a larger one overflows)"),
+    ((*TOKEN_LENGTHS, "tokenizer_vocab_size", "tokenizer_train_documents"), lambda value: value >= 1,
+     "must be at least 1"),
+    (TOKEN_LENGTHS, lambda value: value <= MAX_TOKENS,
+     f"must be at most {MAX_TOKENS:,} tokens (FAT5 counts positions with 32-bit integers)"),
+    (("weight_decay", "max_grad_norm", "warmup_steps", "warmup_ratio", "dataloader_num_workers",
+      "neftune_noise_alpha", "label_smoothing_factor", "num_train_epochs", "z_loss"), lambda value: value >= 0,
      "must be 0 or more"),
     (("logging_steps", "save_steps", "eval_steps", "adam_epsilon"), lambda value: value > 0, "must be more than 0"),
     (("adam_beta1", "adam_beta2", "label_smoothing_factor", "warmup_ratio"), lambda value: value < 1,
      "must be below 1"),
     (("max_steps",), lambda value: value == -1 or value >= 1, "must be at least 1 (or -1: train --num_train_epochs)"),
+    (("seed", "data_seed"), lambda value: 0 <= value <= SEED_MAX,
+     f"must be between 0 and {SEED_MAX} (2**32 - 1: numpy's seeds, which Trainer seeds with torch's)"),
 )
 
 
-def check_trainer_values(training_args):
-    """Refuse, in one line naming the flag, a TrainingArguments value that no run can use: a non-finite number
-    (a NaN learning rate trains a NaN model), and those of VALUE_RULES (a batch of 0, no accumulation steps, a
-    negative learning rate or worker count, ...); and an --output_dir whose name is not UTF-8 (transformers writes it
-    into JSON files and the model card, after training)."""
-    for flag in dataclasses.fields(training_args):
-        value = getattr(training_args, flag.name, None)
+def check_values(values):
+    """Refuse, in one line naming the flag, a value as given ({flag: value}, argparse's namespace) that no run can
+    use: a non-finite number for any flag (a NaN learning rate trains a NaN model, a NaN length penalty ranks every
+    beam alike), and those of VALUE_RULES (a batch of 0, no accumulation steps, a negative worker count, a learning
+    rate the optimizer cannot represent, a seed numpy refuses, ...)."""
+    for name, value in values.items():
         if isinstance(value, float) and not math.isfinite(value):
-            raise CommandError(f"--{flag.name} {value}: must be a finite number")
+            raise CommandError(f"--{name} {value}: must be a finite number")
     for names, test, rule in VALUE_RULES:
         for name in names:
-            value = getattr(training_args, name, None)
+            value = values.get(name)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and not test(value):
                 raise CommandError(f"--{name} {value}: {rule}")
+
+
+def check_trainer_values(training_args):
+    """Refuse, in one line, what the values of `training_args` say together that no run can use (each value was
+    checked as given by `parse`): no epochs and no steps; and an --output_dir whose name is not UTF-8 (transformers
+    writes it into JSON files and the model card, after training)."""
     if training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise CommandError(f"--num_train_epochs {training_args.num_train_epochs}: nothing to train (pass a number of "
                            f"epochs above 0, or --max_steps)")

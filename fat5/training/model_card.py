@@ -81,7 +81,7 @@ class RunCard:
         evaluations = [EvalResult(task_type=self.task, dataset_type=self.datasets[0] if self.datasets else "local",
                                   dataset_name=self.data.get(SPLIT_NAMES[prefix], data_name),
                                   dataset_split=SPLIT_NAMES[prefix], metric_type=name, metric_name=name,
-                                  metric_value=round(float(value), 4))
+                                  metric_value=float(f"{float(value):.4g}"))
                        for prefix in SPLIT_NAMES for name, value in self.scores(prefix).items()]
         return ModelCardData(
             base_model=hub_base_model(self.base_model), library_name="peft" if adapter else "transformers",

@@ -19,7 +19,7 @@ DEFAULTS = {
 
 PROG = "python -m fat5.training.pretrain"
 USAGE = f"""{PROG} (--train_files FILE [FILE ...] | --dataset_name NAME)
-           (--config {{small,base,large,CONFIG_JSON}} | --model_name_or_path FAT5_FOLDER)
+           (--config {{{','.join(PRESETS)},CONFIG_JSON}} | --model_name_or_path FAT5_FOLDER)
            --output_dir DIR --max_steps N [pretraining options] [TrainingArguments options]"""
 
 

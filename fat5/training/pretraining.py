@@ -13,11 +13,17 @@ from transformers.utils.logging import disable_progress_bar
 
 from fat5 import register_auto_classes
 from fat5.cli import CommandError, write_failures_reported
-from fat5.files import CHECKPOINT_JSON, check_model_folder, check_tokenizer_folder, pickles_refused
+from fat5.files import (
+    CHECKPOINT_JSON,
+    check_attention_device,
+    check_model_folder,
+    check_tokenizer_folder,
+    pickles_refused,
+)
 
 from .data import DenoisingDataset, Documents, add_missing_tokens, sentencepiece_pieces, train_sentencepiece
 from .denoising import MIXTURES, DenoisingMixture, sentinel_token_ids
-from .flags import RunFolderArguments, check_trainer_values, given_flags, parse, parser
+from .flags import RunFolderArguments, check_trainer_values, checkpointing_flag, given_flags, parse, parser
 from .model_card import RunCard, command_line
 from .models import (
     PRESETS,
@@ -41,7 +47,7 @@ RESUME_ADVICE = "resume from a checkpoint FAT5 wrote instead, or start a new run
 
 
 @dataclass
-class TrainerOptions(TrainingArguments, RunFolderArguments):
+class TrainerOptions(*checkpointing_flag(TrainingArguments), TrainingArguments, RunFolderArguments):
     _argument_group_name = "TrainingArguments options (transformers)"
     # None until the start is known: the default depends on the optimizer (DEFAULTS["learning_rate"]).
     learning_rate: float | None = field(default=None, metadata={
@@ -68,6 +74,12 @@ def parse_args(argv):
     if args.z_loss is None:
         args.z_loss = DEFAULTS["z_loss"][start]
     check_trainer_values(training_args)
+    if training_args.eval_strategy != "no" or training_args.do_eval:
+        # (Trainer would stop at its start: it is given no evaluation dataset.)
+        given = f"--eval_strategy {training_args.eval_strategy.value}" if training_args.eval_strategy != "no" \
+            else "--do_eval"
+        raise CommandError(f"{given}: pretraining has no evaluation data (the corpus streams training examples only); "
+                           f"leave --eval_strategy and --do_eval out")
     return args, training_args
 
 
@@ -187,10 +199,12 @@ def pretrain(args, training_args, argv, progress, program=PROG):
     documents.check_not_empty()
     prefixes = sorted({denoiser.prefix for denoiser, _ in MIXTURES[args.mixture] if denoiser.prefix})
     if args.model_name_or_path:
-        rows = checkpoint_config(args.model_name_or_path).get("vocab_size")
+        fields = checkpoint_config(args.model_name_or_path)
+        rows = fields.get("vocab_size")
+        check_attention_device(fields, training_args.device.type, f"--model_name_or_path {args.model_name_or_path}")
     else:
         rows = None
-        model_fields(args.config)
+        check_attention_device(model_fields(args.config), training_args.device.type, f"--config {args.config}")
     tokenizer = given_tokenizer(args, prefixes, rows)
     dataset = None if tokenizer is None else denoising_dataset(args, training_args, documents, tokenizer)
     run_folder = RunFolder(training_args.output_dir, training_args.resume_from_checkpoint,

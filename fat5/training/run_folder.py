@@ -43,8 +43,11 @@ What it guarantees:
   `check_changes` accepts them; the run then records the new settings. A run that finished is resumed as a no-op
   (`already_finished`); `RunFolderTrainerMixin.load_without_training` finishes one whose last checkpoint already
   reached its last step (Trainer would train one step past it).
-- A lock (`flock` on `.fat5_run.lock` in the folder) is held by the main process for the whole run: a second run on
-  the same folder is refused at start-up, never interleaved. The kernel releases it when the process dies.
+- A lock on `.fat5_run.lock` in the folder is held by the main process for the whole run: a second run on the same
+  folder is refused at start-up, never interleaved. It is `flock` where the platform has `fcntl` (the kernel releases
+  it when the process dies); elsewhere (Windows) the lock file itself, created exclusively with the process id,
+  removed when the run ends, and taken over when the process it names no longer exists (fat5/safe_files.py
+  `LockFile`).
 - Checkpoints are whole or do not count: Trainer writes checkpoint-N, and `CheckpointMarks` (a callback) marks it
   complete once written and flushed (`fat5_run.json` inside it, with the run id, the step and the save's order). A
   checkpoint-N without this run's mark (a save cut short, a foreign copy) is never resumed from and is removed by the
@@ -57,7 +60,12 @@ What it guarantees:
 - With --overwrite_output_dir, a resume from the folder (`latest`, one of its checkpoints) is refused in one line,
   before anything is deleted. Paths are compared by device and inode: another path to the output folder (a
   symlink, a bind mount) is the output folder.
-- `latest`/`last` resumes this run's last complete checkpoint, or is refused with one line when it has none.
+- `latest`/`last` resumes this run's last complete checkpoint; a run stopped before its first checkpoint was
+  complete (`kill -9` during the save) trains again from its first step, with its settings. A folder with no run
+  to continue is refused with one line.
+- What FAT5's own writers leave when killed (staging folders, folders being deleted, temporary record files:
+  `LEFTOVER`) is never taken for the user's files and is cleaned at start-up; the checkpoint a run is about to
+  write is recorded as the run's before Trainer writes it, so that --overwrite_output_dir deletes one cut short.
 
 Trainer is used through its public API only: callbacks (`CheckpointMarks`, `NonFiniteStop`), its arguments and
 `train`.
@@ -67,6 +75,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import sys
 import time
 import uuid
@@ -77,7 +86,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from fat5.cli import CommandError, WriteFailed, raise_if_interrupted, write_failure
-from fat5.safe_files import fsync_tree, lock, remove_folder, remove_stale_staging, write_atomically
+from fat5.safe_files import LockFile, fsync_tree, remove_folder, remove_stale_staging, write_atomically
 
 from .finite import NonFiniteStop
 from .flags import RunFolderArguments  # the run folder's flags, read before transformers loads
@@ -85,9 +94,12 @@ from .flags import RunFolderArguments  # the run folder's flags, read before tra
 RECORD_NAME = "fat5_run.json"
 LOCK_NAME = ".fat5_run.lock"
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
-# Hidden folders of checkpoints deleted (.removed), or written by earlier FAT5 versions (.partial); never read,
-# cleaned at start-up.
-CHECKPOINT_LEFTOVER = re.compile(r"\.checkpoint-\d+\.(partial|removed)(-old)?|\..+\.removed")
+# What FAT5's own writers leave in a run folder when killed (`kill -9`, a crash): staging folders of saves
+# (fat5/safe_files.py: `.NAME.partial-PID-XXXX`, and `...-old`; `.checkpoint-N.partial` of earlier FAT5 versions),
+# folders being deleted (`.NAME.removed`) and temporary files of records (`.NAME.PID.tmp`). Never read, never
+# taken for the user's files, cleaned at start-up.
+LEFTOVER = re.compile(r"\..+\.(partial(-old)?|partial-\d+-.+|removed|\d+\.tmp)")
+STAGING = re.compile(r"\.(.+)\.partial-\d+-.+")
 RESUME_LAST = ("latest", "last", "true", "True")
 TRAINER_STATE_NAME = "trainer_state.json"  # transformers' name, in every version
 
@@ -140,16 +152,18 @@ def folder_entries(folder):
     """The entries of a run folder that are not the run folder's own bookkeeping (lock, record, leftovers of
     interrupted saves)."""
     return [path for path in Path(folder).iterdir() if path.name not in (LOCK_NAME, RECORD_NAME)
-            and not CHECKPOINT_LEFTOVER.fullmatch(path.name)]
+            and not LEFTOVER.fullmatch(path.name)]
 
 
-def update_record(folder, finished=False):
-    """Add every entry of the folder to its record's `wrote` (what a later --overwrite_output_dir may delete), and
-    mark the run finished when its final save is complete. Called at each checkpoint and when the run ends."""
+def update_record(folder, finished=False, writing=()):
+    """Add every entry of the folder, and `writing` (the entries the run is about to write), to its record's `wrote`
+    (what a later --overwrite_output_dir may delete), and mark the run finished when its final save is complete.
+    Called when training begins, before and after each checkpoint and when the run ends, so that what a killed run
+    leaves (a checkpoint cut short) is known as the run's."""
     record = read_record(folder)
     if record is None:
         return
-    record["wrote"] = sorted({*record.get("wrote", ()), *(path.name for path in folder_entries(folder))})
+    record["wrote"] = sorted({*record.get("wrote", ()), *(path.name for path in folder_entries(folder)), *writing})
     record["finished"] = bool(record.get("finished")) or finished
     _write_json_atomically(Path(folder) / RECORD_NAME, record)
 
@@ -261,7 +275,7 @@ class RunFolder:
         try:
             self._claim()
         except BaseException:
-            os.close(self._lock)  # (not close(): a refused run records nothing)
+            self._lock.release()  # (not close(): a refused run records nothing)
             self._lock = None
             if created and not self._contents():  # (another run may have made the folder since)
                 shutil.rmtree(self.path, ignore_errors=True)
@@ -271,21 +285,19 @@ class RunFolder:
         return self.resume_checkpoint
 
     def _acquire_lock(self):
-        descriptor = lock(self.path / LOCK_NAME, create=True)
-        if descriptor is None:
-            owner = (self.path / LOCK_NAME).read_text(errors="replace").strip()
-            raise CommandError(f"--output_dir {self.path} is in use by another run (process {owner or '?'}); wait "
-                               f"for it to finish or choose another folder")
-        os.ftruncate(descriptor, 0)
-        os.write(descriptor, f"{os.getpid()}\n".encode())
-        self._lock = descriptor
+        self._lock = LockFile.acquire(self.path / LOCK_NAME)
+        if self._lock is None:
+            pid, host = LockFile.holder(self.path / LOCK_NAME)
+            where = f" on {host}" if host and host != socket.gethostname() else ""
+            raise CommandError(f"--output_dir {self.path} is in use by another run (process {pid or '?'}{where}); "
+                               f"wait for it to finish or choose another folder")
 
     def close(self):
         if self._lock is not None:
             try:
                 update_record(self.path)
             finally:
-                os.close(self._lock)
+                self._lock.release()
                 self._lock = None
 
     def check_inputs(self):
@@ -343,6 +355,9 @@ class RunFolder:
             record = {**record, "settings": {**record.get("settings", {}), **self.settings}}
         self.already_finished = bool(record.get("finished")) and resume_here and not self.changed
         self.resume_checkpoint = self._resolve_resume()  # before anything is written or cleaned
+        if resume_last and self.resume_checkpoint is None and not self.already_finished:
+            print(f"--resume_from_checkpoint {self.resume}: {self.path} holds no complete checkpoint of its run (it "
+                  f"stopped before its first save was complete): training it again from its first step")
         _write_json_atomically(self.path / RECORD_NAME, record)
         self._clean()
 
@@ -372,7 +387,8 @@ class RunFolder:
             last = complete_checkpoints(self.path, record.get("run"))
             what = f"another run's results (started {record.get('started', '?')}; last complete checkpoint: " \
                    f"{last[-1].name if last else 'none'})"
-            how = f"continue it with --resume_from_checkpoint {self.resume_flag}, or "
+            how = f"continue it with --resume_from_checkpoint {self.resume_flag}" + \
+                  ("" if last else " (it trains again from its first step)") + ", or "
         return f"--output_dir {self.path} holds {what}; {how}pass --overwrite_output_dir to replace it, or " \
                f"choose another folder"
 
@@ -405,12 +421,18 @@ class RunFolder:
         update_record(self.path, finished=True)
 
     def _clean(self):
-        """Remove what interrupted saves left: staging folders and checkpoints without this run's mark."""
+        """Remove what interrupted saves left (LEFTOVER): staging folders (through fat5/safe_files.py, which puts
+        back an old folder a killed replacement had moved aside), and checkpoints without this run's mark."""
         remove_stale_staging(self.path)  # a killed final save_pretrained of the whole folder
         complete = complete_checkpoints(self.path, self.run_id)
         for path in self.path.iterdir():
-            if CHECKPOINT_LEFTOVER.fullmatch(path.name):
-                shutil.rmtree(path, ignore_errors=True)
+            if STAGING.fullmatch(path.name):
+                remove_stale_staging(self.path / STAGING.fullmatch(path.name).group(1).removesuffix("-old"))
+            elif LEFTOVER.fullmatch(path.name):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
             elif checkpoint_step(path) is not None and path.is_dir() and path not in complete:
                 print(f"removing {path}: an incomplete checkpoint (its save was interrupted)")
                 shutil.rmtree(path)
@@ -420,9 +442,8 @@ class RunFolder:
             return None
         if self.resume is True or self.resume in RESUME_LAST:
             last = self.last_checkpoint()
-            if last is None:
-                raise CommandError(f"--resume_from_checkpoint {self.resume}: {self.path} holds no complete "
-                                   f"checkpoint of its run")
+            if last is None:  # stopped before its first checkpoint was complete: the run starts again, exactly
+                return None
             return str(last)
         checkpoint = Path(self.resume)
         if not checkpoint.is_dir():
@@ -548,9 +569,15 @@ class CheckpointMarks(TrainerCallback):
             return
         self.saving = f"checkpoint-{state.global_step}"
         old = self.run_dir(args) / self.saving
-        if args.should_save and old.is_dir():
-            remove_folder(old)
+        if args.should_save:
+            if old.is_dir():
+                remove_folder(old)
+            update_record(self.run_dir(args), writing=[self.saving])  # what a kill during the save leaves is ours
         self.trainer.accelerator.wait_for_everyone()  # no process writes into checkpoint-N before it is gone
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.should_save:
+            update_record(self.run_dir(args))  # what the run wrote before training (a tokenizer, the loggers' files)
 
     def on_step_begin(self, args, state, control, **kwargs):
         raise_if_interrupted()  # a Ctrl-C that Python dropped (see fat5.cli) stops the run here

@@ -815,7 +815,7 @@ def _flash_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     cu_q = cu_seqlens_q if varlen else _placeholder(query.device, torch.int32)
     cu_k = cu_seqlens_k if varlen else cu_q
     seed, threshold, dropout_scale, dropout = _dropout_args(dropout_p, dropout_seed, query)
-    block_m, block_n, warps, stages = _blocks(query.shape[-1], "forward", query.device)
+    block_m, block_n, warps, stages = _blocks(query.shape[-1], "forward", query.device, dropout)
     grid = (batch * heads, _cdiv(seqlen_q, block_m))
     _forward_kernel[grid](
         query, key, value, out, lse, lut, slopes, mask, cu_q, cu_k, seed,

@@ -222,12 +222,13 @@ def test_variants_are_named_once_and_off_by_default(monkeypatch):
 
 def test_variants_run_only_where_the_chip_has_their_tiles():
     """TMA's 128-wide key tiles (64-wide with T5's per-score gather at d = 64) and the fused backward's tiles are
-    Hopper's; elsewhere (and for the fused backward at head dim 128, where every tile tried spilled) the variant
-    runs the default kernels."""
+    Hopper's; elsewhere (and for the fused backward at head dim 128 and on packed rows, where the tiles tried
+    spilled) the variant runs the default kernels."""
     assert kernel_module.chip_tiles(90, "forward tma", 64)[1] == 128
     assert kernel_module.chip_tiles(90, "forward tma gather", 64)[1] == 64
     assert kernel_module.chip_tiles(90, "fused", 64) is not None
     assert kernel_module.chip_tiles(90, "fused", 128) is None
+    assert kernel_module.chip_tiles(90, "fused", 64, packed=True) is None
     for capability in (75, 80, 86, 89, 100, 120):
         assert kernel_module.chip_tiles(capability, "forward tma", 64) is None
         assert kernel_module.chip_tiles(capability, "forward tma gather", 64) is None

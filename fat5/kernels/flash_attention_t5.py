@@ -65,8 +65,8 @@ RUNTIME_SCALARS = ["dropout_threshold"]
 # Kernel variants (issue 46): paths that the GPU's variant sweep (benchmarks/variant_sweep.py) times against the
 # default kernel, which runs unless one is selected; none becomes the default without a GPU measurement.
 #   band_tiles      the T5 bias of a near-band tile read as a plain tile of a per-head band matrix (built once a
-#                   call from the lookup table: _band_matrix) instead of gathered per score: the backward's with the
-#                   key tiles' pipeline, the forward's straight into the scores' accumulator
+#                   call from the lookup table: _band_matrix), straight into the scores' accumulator, instead of
+#                   gathered per score
 #   tma             the forward's key and value tiles loaded by TMA (tensor descriptors), on the 128-wide key tiles of
 #                   the chip's "forward tma" entry (Hopper); chips without one run the default loads
 #   fused_backward  one backward kernel: dK/dV walking query tiles and adding dQ and the table gradient with fp32
@@ -125,6 +125,7 @@ HOPPER = {  # wgmma, 227 KB: no spills and no serialised wgmma with triton 3.6
     # two stages spilled 8-24 bytes with dropout or packed rows, 64 x 64 on 4 warps 448 and more); none at d = 128
     # (every tile tried spilled 32 bytes or more): two kernels there.
     "fused": ((64, 32, 4, 1), (64, 32, 4, 1), None),
+    "fused packed": (None, None, None),  # with band tiles and dropout 64 x 32 spilled 32-40 bytes: two kernels
 }
 # tcgen05, 227 KB: Hopper's tiles but where they spill there (triton 3.6 / 3.9): dQ on 128 x 32, 8 warps, at d <= 64
 # (64 x 64 on 4 warps spilled 124 bytes); with dropout the forward on 128 x 32 at d = 64 (128 x 64 spilled 8 bytes
@@ -171,12 +172,14 @@ def chip_tiles(capability, kernel, head_dim, dropout=False, packed=False):
     compute capability `capability` (major * 10 + minor, e.g. 86), with attention dropout or for packed rows
     (varlen: a chip's "<kernel> packed" tiles where its table has them, else its tiles without dropout).
     "forward tma" (variant tma; "forward tma gather" with T5's per-score gather) and "fused" (variant
-    fused_backward): the tiles of the variant's kernel, None where the chip's table has none (the variant does not
-    run there)."""
+    fused_backward; "fused packed" for packed rows): the tiles of the variant's kernel, None where the chip's table
+    has none (the variant does not run there)."""
     known = [key for key in TILES if key <= capability] or [min(TILES)]
     table = TILES[max(known)]
     column = 0 if head_dim <= 32 else 1 if head_dim <= 64 else 2
-    if kernel in ("forward tma", "forward tma gather", "fused"):  # variants: the same with dropout and packed rows
+    if kernel in ("forward tma", "forward tma gather", "fused"):  # variants: the same tiles with dropout
+        if kernel == "fused" and packed:
+            kernel = "fused packed"
         tiles = table.get(kernel, table.get("forward tma") if kernel == "forward tma gather" else None)
         return tiles and tiles[column]
     if dropout:
@@ -280,16 +283,16 @@ def _alibi_row_bias(rows, start_n, h, q_offset, SLOPES, BIAS_TYPE: tl.constexpr,
 def _scores(q, kt, rows, cols, start_m, start_n, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, band, SLOPES,
             KMASK, stride_mask_b, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr,
             MASK_CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            BAND_TILES: tl.constexpr, BAND_IN_DOT: tl.constexpr = False):
+            BAND_TILES: tl.constexpr):
     """log2-scaled scores of one tile with the per-element bias added; -inf where the pair is not visible.
 
     Everything per key (keys past the end, padding) is one column vector, so a far tile costs one FMA per score
     like no bias at all; the per-row parts (_far_bias, _alibi_row_bias) are applied by the caller. Rows past the
     end need no mask: they are never stored, and the backward reads +inf for their log-sum-exp, which makes their
     probabilities 0. With BAND_TILES, a near-band tile's T5 bias is a tile of this head's band matrix (`band`),
-    rows from the query tile at start_m, added to the scores or, BAND_IN_DOT, as the initial accumulator of their
-    dot product (read straight into the accumulator's registers: sm_90a's forward then keeps one copy of the
-    scores, where an add after the product kept two and computed each exp2 twice)."""
+    rows from the query tile at start_m, the initial accumulator of the scores' product (read straight into the
+    accumulator's registers: added after the product, on sm_90a the forward kept two copies of the scores and
+    computed each exp2 twice, and dK/dV with dropout spilled 8-128 bytes)."""
     if HAS_KMASK:
         # 0 for kept keys, -inf for padding and for the KEY_MASK_PAD columns past the end: no bounds check.
         column = tl.load(KMASK + b * stride_mask_b + cols)
@@ -304,11 +307,9 @@ def _scores(q, kt, rows, cols, start_m, start_n, b, h, k_len, q_offset, qk_scale
         BAND_WIDTH: tl.constexpr = (2 * MAX_DIST + 3 * KERNEL_BAND_MARGIN + 15) // 16 * 16
         band_cols = cols - start_m - q_offset + (MAX_DIST + KERNEL_BAND_MARGIN)
         bias = tl.load(band + (rows - start_m)[:, None] * BAND_WIDTH + band_cols[None, :])
-        if BAND_IN_DOT:  # in units of the raw product (the launcher passes no zero scale)
-            s = tl.dot(q, kt, bias * (KERNEL_LOG2E / qk_scale), input_precision=DOT_PRECISION) * qk_scale
-            s += column[None, :]
-        else:
-            s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale + column[None, :] + bias * KERNEL_LOG2E
+        # In units of the raw product (the launcher passes no zero scale).
+        s = tl.dot(q, kt, bias * (KERNEL_LOG2E / qk_scale), input_precision=DOT_PRECISION) * qk_scale
+        s += column[None, :]
     else:
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale + column[None, :]
     relative = cols[None, :] - (rows[:, None] + q_offset)
@@ -479,7 +480,7 @@ def _forward_tiles(acc, l_i, m_i, q, k_src, v_src, lo, hi, rows, offs_n, offs_d,
             kt = tl.load(k_src + cols[None, :] * stride_kn + offs_d[:, None], mask=col_ok[None, :], other=0.0)
         s = _scores(q, kt, rows, cols, start_m, start_n, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, band,
                     SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, REGION, MASK_CAUSAL, HAS_KMASK, DOT_PRECISION,
-                    BAND_TILES, True)
+                    BAND_TILES)
         # A far tile's bias is constant along rows: add it to the row max and shift, not to every score.
         row_bias = far_bias + _alibi_row_bias(rows, start_n, h, q_offset, SLOPES, BIAS_TYPE, REGION)
         m_new = tl.maximum(m_i, tl.max(s, axis=1) + row_bias)
@@ -1039,8 +1040,9 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     varlen, batch, heads, seqlen_q, seqlen_k = _geometry(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     # The gradient of a sum() arrives expanded, with stride 0 along the head dim.
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+    seed, threshold, dropout_scale, dropout = _dropout_args(dropout_p, dropout_seed, query)
     # fused_backward (where the chip has tiles for it) adds dQ to an fp32 sum, scaled and cast at the end.
-    fused_blocks = "fused_backward" in VARIANTS and _blocks(query.shape[-1], "fused", query.device)
+    fused_blocks = "fused_backward" in VARIANTS and _blocks(query.shape[-1], "fused", query.device, dropout, varlen)
     fused = bool(fused_blocks)
     dq = torch.zeros(query.shape, dtype=torch.float32, device=query.device) if fused else _new_output(query.shape,
                                                                                                       query)
@@ -1051,7 +1053,6 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     mask = key_mask if key_mask is not None else _placeholder(query.device, torch.float32)
     cu_q = cu_seqlens_q if varlen else _placeholder(query.device, torch.int32)
     cu_k = cu_seqlens_k if varlen else cu_q
-    seed, threshold, dropout_scale, dropout = _dropout_args(dropout_p, dropout_seed, query)
     common = dict(MAX_DIST=max_dist, BIAS_TYPE=bias_type, CAUSAL=causal, HAS_KMASK=key_mask is not None,
                   IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], DOT_PRECISION=_dot_precision(query.dtype),
                   DROPOUT=dropout, BAND_TILES=band_tiles)

@@ -39,7 +39,7 @@ variants (`VARIANT_NAMES` of the kernel module: band_tiles, tma, fused_backward;
 on the chip's "forward tma" tiles, fused_backward's dK/dV kernel on its "fused" tiles alone (no dQ kernel runs);
 where the chip's table has no such tiles, the default kernel, and said so (the variant does not run there). Each
 loop body also lists its global memory instructions: `ldg` (LDG, loads through registers: the near band's gather),
-`cp.async` (LDGSTS, pipelined copies to shared memory), `tma` (UTMALDG) and `atomics` (RED, ATOMG), and each kernel
+`cp.async` (LDGSTS, pipelined copies to shared memory), `tma` (UTMALDG) and `atomics` (REDG, ATOMG), and each kernel
 its PTX counts (`cp.async.bulk.tensor`, `ld.global`, `wgmma.wait_group`, `setmaxnreg`, `red`/`atom`).
 """
 import argparse
@@ -104,7 +104,8 @@ def blocks(arch, head_dim, kernel, dropout=False, packed=False):
 
 
 # Global memory instructions a loop body is read for (SASS opcode -> name in the tables).
-MEMORY_OPS = {"LDG": "ldg", "LDGSTS": "cp.async", "UTMALDG": "tma", "RED": "atomics", "ATOMG": "atomics"}
+MEMORY_OPS = {"LDG": "ldg", "LDGSTS": "cp.async", "UTMALDG": "tma", "REDG": "atomics", "RED": "atomics",
+              "ATOMG": "atomics"}
 # Counted in each kernel's PTX.
 PTX_OPS = ("cp.async.bulk.tensor", "cp.async.cg", "cp.async.ca", "ld.global", "wgmma.wait_group", "setmaxnreg",
            "red.", "atom.")

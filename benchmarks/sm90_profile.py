@@ -36,11 +36,12 @@ MUFU count over the scores one thread holds (1 = one exp2 per score, plus the pe
 `_drop` compile attention dropout in (DROPOUT=True); `far/no-drop` compares their far loop with the same loop of
 the variant without dropout. `--kernel-variants SETS` builds the chosen variants with each set of the kernel's
 variants (`VARIANT_NAMES` of the kernel module: band_tiles, tma, fused_backward; tags get `+NAME`): the tma forward
-on the chip's "forward tma" tiles, fused_backward's dK/dV kernel on its "fused" tiles alone (no dQ kernel runs);
-where the chip's table has no such tiles, the default kernel, and said so (the variant does not run there). Each
-loop body also lists its global memory instructions: `ldg` (LDG, loads through registers: the near band's gather),
-`cp.async` (LDGSTS, pipelined copies to shared memory), `tma` (UTMALDG) and `atomics` (REDG, ATOMG), and each kernel
-its PTX counts (`cp.async.bulk.tensor`, `ld.global`, `wgmma.wait_group`, `setmaxnreg`, `red`/`atom`).
+on the launcher's tiles (the chip's "forward tma" ones, or its forward tiles with T5's gather and packed rows),
+fused_backward's dK/dV kernel on its "fused" tiles alone (no dQ kernel runs); where the chip's table has no such
+tiles, the default kernel, and said so (the variant does not run there). Each loop body also lists its global memory
+instructions: `ldg` (LDG, loads through registers: the near band's gather), `cp.async` (LDGSTS, pipelined copies to
+shared memory), `tma` (UTMALDG) and `atomics` (REDG, ATOMG), and each kernel its PTX counts (`cp.async.bulk.tensor`,
+`ld.global`, `wgmma.wait_group`, `setmaxnreg`, `red`/`atom`).
 """
 import argparse
 import collections
@@ -96,8 +97,8 @@ def blocks(arch, head_dim, kernel, dropout=False, packed=False):
     override = os.environ.get("BLOCKS")
     if override:
         parts = dict(part.split(":") for part in override.split(";"))
-        for key in {"forward": ("fwd",), "forward tma": ("fwd",), "forward tma gather": ("fwd",),
-                    "dkdv": ("dkdv", "bwd"), "fused": ("dkdv", "bwd"), "dq": ("dq", "bwd")}[kernel]:
+        for key in {"forward": ("fwd",), "forward tma": ("fwd",), "dkdv": ("dkdv", "bwd"), "fused": ("dkdv", "bwd"),
+                    "dq": ("dq", "bwd")}.get(kernel, ()):
             if key in parts:
                 return tuple(int(x) for x in parts[key].split(","))
     return K.chip_tiles(arch, kernel, head_dim, dropout, packed)
@@ -188,7 +189,8 @@ def variant(arch, tag, dtype="bf16", head_dim=64, bias=1, causal=False, kmask=Fa
     pointer = POINTER[dtype]
     common = dict(MAX_DIST=128 if bias == 1 else 1, BIAS_TYPE=bias, CAUSAL=causal, HAS_KMASK=kmask,
                   IS_VARLEN=varlen, HEAD_DIM=head_dim, DOT_PRECISION="tf32" if dtype != "fp32" else "ieee",
-                  DROPOUT=dropout, BAND_TILES="band_tiles" in kernel_variants and bias == 1)
+                  DROPOUT=dropout, BAND_TILES="band_tiles" in kernel_variants and bias == 1
+                  and bool(K.chip_tiles(arch, "band tiles", head_dim)))
     fused = "fused_backward" in kernel_variants and blocks(arch, head_dim, "fused", dropout, varlen) is not None
     if kernel_variants:
         tag += "".join(f"+{name}" for name in sorted(kernel_variants))
@@ -202,9 +204,10 @@ def variant(arch, tag, dtype="bf16", head_dim=64, bias=1, causal=False, kmask=Fa
         constants = dict(common)
         tiles = None
         if kernel == "forward":
-            gather = bias == 1 and not common["BAND_TILES"]
-            tiles = blocks(arch, head_dim, "forward tma gather" if gather else "forward tma", dropout) \
-                if "tma" in kernel_variants else None
+            # As the launcher: TMA where the chip has "forward tma" tiles, wide ones unless T5's gather or packed rows.
+            tma = "tma" in kernel_variants and blocks(arch, head_dim, "forward tma") is not None
+            wide = (bias != 1 or common["BAND_TILES"]) and not varlen
+            tiles = blocks(arch, head_dim, "forward tma" if wide else "forward", dropout) if tma else None
             constants["TMA"] = tiles is not None
         if kernel == "dkdv":
             constants["FUSED"] = fused
@@ -220,6 +223,8 @@ def variant(arch, tag, dtype="bf16", head_dim=64, bias=1, causal=False, kmask=Fa
         divisible = [n for n in fn.arg_names if (n[0].isupper() and n not in constants) or
                      (n.startswith("stride") and n != "stride_lut_h")] + ["seqlen_q", "seqlen_k", "q_offset"]
         row = build(arch, tag, fn, signature, dict(constants, BLOCK_M=bm, BLOCK_N=bn), divisible, warps, stages)
+        if "band_tiles" in kernel_variants and bias == 1 and not constants["BAND_TILES"]:
+            row["note"] = "no band tiles on the chip: built with the gather"
         if "tma" in kernel_variants and constants.get("TMA") is False:
             row["note"] = "no forward tma tiles for the chip: built without TMA"
         if "fused_backward" in kernel_variants and kernel != "forward" and not fused:

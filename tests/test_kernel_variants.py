@@ -169,7 +169,7 @@ def test_variant_on_gpu_sized_tiles(monkeypatch, variants, tiles, causal, dropou
     def blocks(head_dim, kernel, device, dropout=False, packed=False):
         return (*shapes["dkdv" if kernel == "fused" else kernel], 1, 1)
 
-    def tma_blocks(key, value, gather):
+    def tma_blocks(key, value, wide, dropout):
         return (*shapes["forward"], 1, 1) if "tma" in kernel_module.VARIANTS else None
 
     monkeypatch.setattr(kernel_module, "_blocks", blocks)
@@ -221,25 +221,25 @@ def test_variants_are_named_once_and_off_by_default(monkeypatch):
 
 
 def test_variants_run_only_where_the_chip_has_their_tiles():
-    """TMA's 128-wide key tiles (64-wide with T5's per-score gather at d = 64) and the fused backward's tiles are
-    Hopper's; elsewhere (and for the fused backward at head dim 128 and on packed rows, where the tiles tried
-    spilled) the variant runs the default kernels."""
-    assert kernel_module.chip_tiles(90, "forward tma", 64)[1] == 128
-    assert kernel_module.chip_tiles(90, "forward tma gather", 64)[1] == 64
-    assert kernel_module.chip_tiles(90, "fused", 64) is not None
-    assert kernel_module.chip_tiles(90, "fused", 128) is None
-    assert kernel_module.chip_tiles(90, "fused", 64, packed=True) is None
+    """The variants run on Hopper, where they were built without spills (band tiles spilled on other chips); the
+    fused backward has tiles for dropout at d = 64 on padded batches alone (elsewhere the tiles tried spilled).
+    Elsewhere the variant runs the default kernels."""
+    assert all(kernel_module.chip_tiles(90, "band tiles", head_dim) for head_dim in kernel_module.HEAD_DIMS)
+    assert kernel_module.chip_tiles(90, "forward tma", 64)[1] == 2 * kernel_module.chip_tiles(90, "forward", 64)[1]
+    assert kernel_module.chip_tiles(90, "fused", 64, dropout=True) is not None
+    assert kernel_module.chip_tiles(90, "fused", 64) is None
+    assert kernel_module.chip_tiles(90, "fused", 64, dropout=True, packed=True) is None
+    assert kernel_module.chip_tiles(90, "fused", 128, dropout=True) is None
     for capability in (75, 80, 86, 89, 100, 120):
+        assert kernel_module.chip_tiles(capability, "band tiles", 64) is None
         assert kernel_module.chip_tiles(capability, "forward tma", 64) is None
-        assert kernel_module.chip_tiles(capability, "forward tma gather", 64) is None
-        assert kernel_module.chip_tiles(capability, "fused", 64) is None
+        assert kernel_module.chip_tiles(capability, "fused", 64, dropout=True) is None
     for head_dim in kernel_module.HEAD_DIMS:
-        tiles = kernel_module.chip_tiles(90, "fused", head_dim)
+        tiles = kernel_module.chip_tiles(90, "fused", head_dim, dropout=True)
         if tiles:  # the per-diagonal table gradient needs whole groups of key-tile rows
             assert tiles[0] % tiles[1] == 0 and tiles[0] <= kernel_module.BAND_ROWS
-        for kernel in ("forward tma", "forward tma gather"):
-            block_m, block_n, _, _ = kernel_module.chip_tiles(90, kernel, head_dim)
-            assert block_m <= kernel_module.BAND_ROWS and block_n <= kernel_module.BAND_MARGIN
+        block_m, block_n, _, _ = kernel_module.chip_tiles(90, "forward tma", head_dim)
+        assert block_m <= kernel_module.BAND_ROWS and block_n <= kernel_module.BAND_MARGIN
 
 
 def test_tma_keeps_the_default_loads_for_rows_it_cannot_address(monkeypatch):
@@ -248,9 +248,9 @@ def test_tma_keeps_the_default_loads_for_rows_it_cannot_address(monkeypatch):
     monkeypatch.setattr(kernel_module, "VARIANTS", kernel_module.kernel_variants("tma"))
     q, k, v, table = inputs(1, 2, 20, 21, 32, seed=73)
     shifted_k, shifted_v = k[..., 1:, :], v[..., 1:, :]  # storage offset of 32 floats: still aligned
-    assert kernel_module._tma_blocks(shifted_k, shifted_v, True) is not None
+    assert kernel_module._tma_blocks(shifted_k, shifted_v, True, False) is not None
     odd = torch.randn(1, 2, 20, 33).to(KERNEL_DEVICE)[..., 1:]  # rows of 33 floats: strides not 16-byte multiples
-    assert kernel_module._tma_blocks(odd, odd, True) is None
+    assert kernel_module._tma_blocks(odd, odd, True, False) is None
     options = dict(bias_table=table, num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE)
     expected = flash_attention_t5(q[..., :20, :], odd, odd.contiguous(), **options)
     monkeypatch.setattr(kernel_module, "VARIANTS", frozenset())

@@ -66,7 +66,7 @@ RUNTIME_SCALARS = ["dropout_threshold"]
 # default kernel, which runs unless one is selected; none becomes the default without a GPU measurement.
 #   band_tiles      the T5 bias of a near-band tile read as a plain tile of a per-head band matrix (built once a
 #                   call from the lookup table: _band_matrix), straight into the scores' accumulator, instead of
-#                   gathered per score
+#                   gathered per score, on chips whose tile table has "band tiles" (Hopper)
 #   tma             the forward's key and value tiles loaded by TMA (tensor descriptors), on the 128-wide key tiles of
 #                   the chip's "forward tma" entry (Hopper); chips without one run the default loads
 #   fused_backward  one backward kernel: dK/dV walking query tiles and adding dQ and the table gradient with fp32
@@ -117,15 +117,18 @@ HOPPER = {  # wgmma, 227 KB: no spills and no serialised wgmma with triton 3.6
     # 64 x 64 on 4 warps spill (dK/dV 16 bytes, dQ 56); these spill nothing under 3.6 or 3.9.
     "dkdv packed": ((64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2)),
     "dq packed": ((64, 64, 4, 2), (128, 32, 8, 2), (128, 32, 8, 2)),
-    # Variant tma: 128-wide key tiles, loaded by TMA; with T5's per-score gather (band_tiles not selected) 64-wide at
-    # d = 64 (128 x 128 spilled 8-64 bytes there; none with band tiles).
+    # Variant band_tiles runs here (True per head dim): elsewhere it spilled (under triton 3.6, Ampere's and sm_120's
+    # dK/dV at d = 128 768-808 bytes, sm_100's forward at d = 64 32).
+    "band tiles": (True, True, True),
+    # Variant tma: key tiles twice as wide, loaded by TMA, for padded batches with band tiles or without T5's bias;
+    # with T5's per-score gather and for packed rows the forward's own tiles (128 x 128 spilled 8-2724 bytes there
+    # under triton 3.6 or 3.9).
     "forward tma": ((128, 128, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2)),
-    "forward tma gather": ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2)),
-    # Variant fused_backward: the dK/dV kernel also holds dQ's product, on 32-wide key tiles and one stage (64 x 32 on
-    # two stages spilled 8-24 bytes with dropout or packed rows, 64 x 64 on 4 warps 448 and more); none at d = 128
-    # (every tile tried spilled 32 bytes or more): two kernels there.
-    "fused": ((64, 32, 4, 1), (64, 32, 4, 1), None),
-    "fused packed": (None, None, None),  # with band tiles and dropout 64 x 32 spilled 32-40 bytes: two kernels
+    # Variant fused_backward, with dropout at d = 64 on padded batches: the dK/dV kernel also holds dQ's product, on
+    # 32-wide key tiles and one stage (64 x 32 on two stages spilled 8-24 bytes, 64 x 64 on 4 warps 448 and more;
+    # without dropout, at d = 32 and on packed rows 64 x 32 spilled 28-68 bytes under triton 3.9, at d = 128 every
+    # tile tried spilled): two kernels elsewhere.
+    "fused dropout": (None, (64, 32, 4, 1), None),
 }
 # tcgen05, 227 KB: Hopper's tiles but where they spill there (triton 3.6 / 3.9): dQ on 128 x 32, 8 warps, at d <= 64
 # (64 x 64 on 4 warps spilled 124 bytes); with dropout the forward on 128 x 32 at d = 64 (128 x 64 spilled 8 bytes
@@ -171,16 +174,13 @@ def chip_tiles(capability, kernel, head_dim, dropout=False, packed=False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of `kernel` ("forward", "dkdv" or "dq") at `head_dim` on a GPU of
     compute capability `capability` (major * 10 + minor, e.g. 86), with attention dropout or for packed rows
     (varlen: a chip's "<kernel> packed" tiles where its table has them, else its tiles without dropout).
-    "forward tma" (variant tma; "forward tma gather" with T5's per-score gather) and "fused" (variant
-    fused_backward; "fused packed" for packed rows): the tiles of the variant's kernel, None where the chip's table
-    has none (the variant does not run there)."""
+    "forward tma" (variant tma's wide tiles) and "fused" (variant fused_backward): the tiles of the variant's kernel,
+    "band tiles" (variant band_tiles) True; None where the chip's table has none (the variant does not run there)."""
     known = [key for key in TILES if key <= capability] or [min(TILES)]
     table = TILES[max(known)]
     column = 0 if head_dim <= 32 else 1 if head_dim <= 64 else 2
-    if kernel in ("forward tma", "forward tma gather", "fused"):  # variants: the same tiles with dropout
-        if kernel == "fused" and packed:
-            kernel = "fused packed"
-        tiles = table.get(kernel, table.get("forward tma") if kernel == "forward tma gather" else None)
+    if kernel in ("band tiles", "forward tma", "fused"):  # variants (the fused backward: dropout on padded batches)
+        tiles = table.get("fused dropout" if dropout and not packed else "" if kernel == "fused" else kernel)
         return tiles and tiles[column]
     if dropout:
         return table[f"{kernel} dropout"][column]
@@ -956,9 +956,10 @@ def _band_matrix(lut, max_dist):
 
 
 def _band_args(lut, bias_type, max_dist, scale, query):
-    """(band matrix, its head stride, BAND_TILES) for the kernels: variant band_tiles with T5's table (and a nonzero
-    scale, which the forward divides the bias by)."""
-    if bias_type != BIAS_LUT or "band_tiles" not in VARIANTS or scale == 0:
+    """(band matrix, its head stride, BAND_TILES) for the kernels: variant band_tiles with T5's table, on a chip whose
+    table says it runs there (any in the interpreter), and a nonzero scale (the forward divides the bias by it)."""
+    if bias_type != BIAS_LUT or "band_tiles" not in VARIANTS or scale == 0 \
+            or not _blocks(query.shape[-1], "band tiles", query.device):
         return _placeholder(query.device, torch.float32), 0, False
     band = _band_matrix(lut, max_dist)
     return band, band.stride(0), True
@@ -969,10 +970,10 @@ def _tma_scratch(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _tma_blocks(key, value, gather):
-    """Variant tma: the forward's tiles with TMA loads (the chip's "forward tma" entry, or "forward tma gather" for
-    T5's per-score gather; the interpreter's tiles on CPU), or None where it does not run: not selected, no such
-    entry for the chip, or keys and values whose rows TMA cannot address (16-byte aligned addresses and strides)."""
+def _tma_blocks(key, value, wide, dropout):
+    """Variant tma: the forward's tiles with TMA loads (the chip's "forward tma" entry when `wide`, else its forward
+    tiles; the interpreter's tiles on CPU), or None where it does not run: not selected, a chip without a "forward
+    tma" entry, or keys and values whose rows TMA cannot address (16-byte aligned addresses and strides)."""
     if "tma" not in VARIANTS:
         return None
     aligned = all(t.data_ptr() % 16 == 0 and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
@@ -982,10 +983,11 @@ def _tma_blocks(key, value, gather):
     if key.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return 16, 16, 1, 1
     major, minor = _capability(key.device)
-    tiles = chip_tiles(major * 10 + minor, "forward tma gather" if gather else "forward tma", key.shape[-1])
-    if tiles is not None:
-        triton.set_allocator(_tma_scratch)  # a context variable: set where the launch runs
-    return tiles
+    capability = major * 10 + minor
+    if chip_tiles(capability, "forward tma", key.shape[-1]) is None:
+        return None
+    triton.set_allocator(_tma_scratch)  # a context variable: set where the launch runs
+    return chip_tiles(capability, "forward tma" if wide else "forward", key.shape[-1], dropout)
 
 
 @torch.library.custom_op("fat5::flash_attention_forward", mutates_args=())
@@ -1004,7 +1006,8 @@ def _flash_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     cu_q = cu_seqlens_q if varlen else _placeholder(query.device, torch.int32)
     cu_k = cu_seqlens_k if varlen else cu_q
     seed, threshold, dropout_scale, dropout = _dropout_args(dropout_p, dropout_seed, query)
-    tma_blocks = _tma_blocks(key, value, bias_type == BIAS_LUT and not band_tiles)
+    # TMA's wide key tiles need the near band's registers that band tiles free (and sequences whole tiles long).
+    tma_blocks = _tma_blocks(key, value, (bias_type != BIAS_LUT or band_tiles) and not varlen, dropout)
     block_m, block_n, warps, stages = tma_blocks or _blocks(query.shape[-1], "forward", query.device, dropout)
     grid = (batch * heads, _cdiv(seqlen_q, block_m))
     _forward_kernel[grid](

@@ -240,8 +240,11 @@ def test_variants_run_only_where_the_chip_has_their_tiles():
         tiles = kernel_module.chip_tiles(90, "fused", head_dim, dropout=True)
         if tiles:  # the per-diagonal table gradient needs whole groups of key-tile rows
             assert tiles[0] % tiles[1] == 0 and tiles[0] <= kernel_module.BAND_ROWS
-        block_m, block_n, _, _ = kernel_module.chip_tiles(90, "forward tma", head_dim)
-        assert block_m <= kernel_module.BAND_ROWS and block_n <= kernel_module.BAND_MARGIN
+        for dropout in (False, True):
+            tiles = kernel_module.chip_tiles(90, "forward tma", head_dim, dropout)
+            assert tiles == kernel_module.chip_tiles(90, "forward tma", head_dim)  # the same with dropout
+            assert tiles[0] <= kernel_module.BAND_ROWS and tiles[1] <= kernel_module.BAND_MARGIN
+            assert kernel_module.chip_tiles(90, "band tiles", head_dim, dropout) is True
 
 
 def test_tma_keeps_the_default_loads_for_rows_it_cannot_address(monkeypatch):

@@ -180,7 +180,9 @@ def chip_tiles(capability, kernel, head_dim, dropout=False, packed=False):
     table = TILES[max(known)]
     column = 0 if head_dim <= 32 else 1 if head_dim <= 64 else 2
     if kernel in ("band tiles", "forward tma", "fused"):  # variants (the fused backward: dropout on padded batches)
-        tiles = table.get("fused dropout" if dropout and not packed else "" if kernel == "fused" else kernel)
+        if kernel == "fused":
+            kernel = "fused dropout" if dropout and not packed else None
+        tiles = table.get(kernel)
         return tiles and tiles[column]
     if dropout:
         return table[f"{kernel} dropout"][column]

@@ -191,7 +191,8 @@ def variant(arch, tag, dtype="bf16", head_dim=64, bias=1, causal=False, kmask=Fa
                   IS_VARLEN=varlen, HEAD_DIM=head_dim, DOT_PRECISION="tf32" if dtype != "fp32" else "ieee",
                   DROPOUT=dropout, BAND_TILES="band_tiles" in kernel_variants and bias == 1
                   and bool(K.chip_tiles(arch, "band tiles", head_dim)))
-    fused = "fused_backward" in kernel_variants and blocks(arch, head_dim, "fused", dropout, varlen) is not None
+    fused = "fused_backward" in kernel_variants and not causal \
+        and blocks(arch, head_dim, "fused", dropout, varlen) is not None
     if kernel_variants:
         tag += "".join(f"+{name}" for name in sorted(kernel_variants))
     # The dropout arguments: the (seed, stream) tensor, the 16-bit threshold and 1 / (1 - p).
@@ -228,7 +229,7 @@ def variant(arch, tag, dtype="bf16", head_dim=64, bias=1, causal=False, kmask=Fa
         if "tma" in kernel_variants and constants.get("TMA") is False:
             row["note"] = "no forward tma tiles for the chip: built without TMA"
         if "fused_backward" in kernel_variants and kernel != "forward" and not fused:
-            row["note"] = "no fused tiles for the chip and head dim: two backward kernels"
+            row["note"] = "no fused tiles for the chip, head dim and rows: two backward kernels"
         results.append(row)
     return results
 

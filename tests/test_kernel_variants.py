@@ -55,19 +55,20 @@ class _Recorder:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.launches.append({name: kwargs.get(name) for name in ("BAND_TILES", "TMA", "FUSED", "DROPOUT")}
-                                 | {"kernel": self.kernel.fn.__name__})
+            switches = ("BAND_TILES", "TMA", "FUSED", "DROPOUT", "CAUSAL")
+            self.launches.append({name: kwargs.get(name) for name in switches} | {"kernel": self.kernel.fn.__name__})
             return self.kernel[grid](*args, **kwargs)
         return launch
 
 
 def assert_variants_ran(launches):
-    """Each selected variant ran where it applies (band tiles: T5's table), and dQ's kernel only without fusion."""
+    """Each selected variant ran where it applies (band tiles: T5's table; the fused backward: not causal rows), and
+    dQ's kernel only without fusion."""
     selected = kernel_module.VARIANTS
+    fused = "fused_backward" in selected and not launches[0]["CAUSAL"]
     kernels = [launch["kernel"] for launch in launches]
-    assert ("_backward_dq_kernel" in kernels) == ("fused_backward" not in selected)
-    assert all(launch["FUSED"] == ("fused_backward" in selected) for launch in launches
-               if launch["kernel"] == "_backward_dkdv_kernel")
+    assert ("_backward_dq_kernel" in kernels) == (not fused)
+    assert all(launch["FUSED"] == fused for launch in launches if launch["kernel"] == "_backward_dkdv_kernel")
     assert all(launch["TMA"] == ("tma" in selected) for launch in launches if launch["kernel"] == "_forward_kernel")
 
 

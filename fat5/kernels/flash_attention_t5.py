@@ -124,10 +124,10 @@ HOPPER = {  # wgmma, 227 KB: no spills and no serialised wgmma with triton 3.6
     # with T5's per-score gather and for packed rows the forward's own tiles (128 x 128 spilled 8-2724 bytes there
     # under triton 3.6 or 3.9).
     "forward tma": ((128, 128, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2)),
-    # Variant fused_backward, with dropout at d = 64 on padded batches: the dK/dV kernel also holds dQ's product, on
-    # 32-wide key tiles and one stage (64 x 32 on two stages spilled 8-24 bytes, 64 x 64 on 4 warps 448 and more;
-    # without dropout, at d = 32 and on packed rows 64 x 32 spilled 28-68 bytes under triton 3.9, at d = 128 every
-    # tile tried spilled): two kernels elsewhere.
+    # Variant fused_backward, with dropout at d = 64 on padded batches (and not causal: the launcher): the dK/dV
+    # kernel also holds dQ's product, on 32-wide key tiles and one stage (64 x 32 on two stages spilled 8-24 bytes,
+    # 64 x 64 on 4 warps 448 and more; without dropout, at d = 32 and on packed rows 64 x 32 spilled 28-68 bytes
+    # under triton 3.9, at d = 128 every tile tried spilled): two kernels elsewhere.
     "fused dropout": (None, (64, 32, 4, 1), None),
 }
 # tcgen05, 227 KB: Hopper's tiles but where they spill there (triton 3.6 / 3.9): dQ on 128 x 32, 8 warps, at d <= 64
@@ -1046,8 +1046,10 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     # The gradient of a sum() arrives expanded, with stride 0 along the head dim.
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
     seed, threshold, dropout_scale, dropout = _dropout_args(dropout_p, dropout_seed, query)
-    # fused_backward (where the chip has tiles for it) adds dQ to an fp32 sum, scaled and cast at the end.
-    fused_blocks = "fused_backward" in VARIANTS and _blocks(query.shape[-1], "fused", query.device, dropout, varlen)
+    # fused_backward (where the chip has tiles for it; not causal rows, where with band tiles it spilled 8 bytes under
+    # triton 3.6) adds dQ to an fp32 sum, scaled and cast at the end.
+    fused_blocks = "fused_backward" in VARIANTS and not causal and _blocks(query.shape[-1], "fused", query.device,
+                                                                         dropout, varlen)
     fused = bool(fused_blocks)
     dq = torch.zeros(query.shape, dtype=torch.float32, device=query.device) if fused else _new_output(query.shape,
                                                                                                       query)

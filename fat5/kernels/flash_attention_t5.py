@@ -67,10 +67,11 @@ RUNTIME_SCALARS = ["dropout_threshold"]
 #   band_tiles      the T5 bias of a near-band tile read as a plain tile of a per-head band matrix (built once a
 #                   call from the lookup table: _band_matrix), straight into the scores' accumulator, instead of
 #                   gathered per score, on chips whose tile table has "band tiles" (Hopper)
-#   tma             the forward's key and value tiles loaded by TMA (tensor descriptors), on the 128-wide key tiles of
-#                   the chip's "forward tma" entry (Hopper); chips without one run the default loads
+#   tma             the forward's key and value tiles loaded by TMA (tensor descriptors), on chips with a "forward
+#                   tma" entry (Hopper): its wide key tiles beside band tiles or another bias, else the forward's own
 #   fused_backward  one backward kernel: dK/dV walking query tiles and adding dQ and the table gradient with fp32
-#                   atomics, so that the scores and the dropout mask are computed once, not in two kernels
+#                   atomics, so that the scores and the dropout mask are computed once, not in two kernels (chips
+#                   with "fused dropout" tiles: Hopper, with dropout at d = 64 on padded batches, not causal)
 VARIANT_NAMES = ("band_tiles", "tma", "fused_backward")
 
 

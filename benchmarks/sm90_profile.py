@@ -15,6 +15,7 @@ instructions and exps per tile), and a kernel whose shared memory exceeds the ch
     python benchmarks/sm90_profile.py --arch all --all --summary  # every chip of CHIPS, one table per chip
     BLOCKS="fwd:128,64,8,3;dq:64,64,4,2" python ...          # try other (BLOCK_M, BLOCK_N, warps, stages)
                                                            # per kernel: fwd, dkdv, dq (bwd: dkdv and dq)
+    python benchmarks/sm90_profile.py --kernel-variants "default;band_tiles" t5_enc_d64  # both
 
 Works with the triton of the GPU image (3.6.0, paired with torch 2.11) and the newest (3.9): the registers and
 spills are those of triton's own ptxas run (TRITON_DUMP_PTXAS_LOG), so the ptxas that triton picks for the chip
@@ -33,7 +34,14 @@ far-tile loop (the second largest when there are several: the largest is the nea
 the same loop of the variant's no-bias ceiling (same dtype, head dim and causality); `exp2/elem` is that loop's
 MUFU count over the scores one thread holds (1 = one exp2 per score, plus the per-row rescale). Variants ending in
 `_drop` compile attention dropout in (DROPOUT=True); `far/no-drop` compares their far loop with the same loop of
-the variant without dropout.
+the variant without dropout. `--kernel-variants SETS` builds the chosen variants with each set of the kernel's
+variants (`VARIANT_NAMES` of the kernel module: band_tiles, tma, fused_backward; tags get `+NAME`): the tma forward
+on the launcher's tiles (the chip's "forward tma" ones, or its forward tiles with T5's gather and packed rows),
+fused_backward's dK/dV kernel on its "fused" tiles alone (no dQ kernel runs); where the chip's table has no such
+tiles, the default kernel, and said so (the variant does not run there). Each loop body also lists its global memory
+instructions: `ldg` (LDG, loads through registers: the near band's gather), `cp.async` (LDGSTS, pipelined copies to
+shared memory), `tma` (UTMALDG) and `atomics` (REDG, ATOMG), and each kernel its PTX counts (`cp.async.bulk.tensor`,
+`ld.global`, `wgmma.wait_group`, `setmaxnreg`, `red`/`atom`).
 """
 import argparse
 import collections
@@ -84,32 +92,49 @@ KERNELS = {"forward": "_forward_kernel", "dkdv": "_backward_dkdv_kernel", "dq": 
 
 
 def blocks(arch, head_dim, kernel, dropout=False, packed=False):
-    """The kernel's tiles ("forward", "dkdv" or "dq") on the chip, or the BLOCKS override of them."""
+    """The kernel's tiles ("forward", "dkdv", "dq", or a variant's "forward tma", "fused") on the chip, or the BLOCKS
+    override of them."""
     override = os.environ.get("BLOCKS")
     if override:
         parts = dict(part.split(":") for part in override.split(";"))
-        for key in {"forward": ("fwd",), "dkdv": ("dkdv", "bwd"), "dq": ("dq", "bwd")}[kernel]:
+        for key in {"forward": ("fwd",), "forward tma": ("fwd",), "dkdv": ("dkdv", "bwd"), "fused": ("dkdv", "bwd"),
+                    "dq": ("dq", "bwd")}.get(kernel, ()):
             if key in parts:
                 return tuple(int(x) for x in parts[key].split(","))
     return K.chip_tiles(arch, kernel, head_dim, dropout, packed)
 
 
+# Global memory instructions a loop body is read for (SASS opcode -> name in the tables).
+MEMORY_OPS = {"LDG": "ldg", "LDGSTS": "cp.async", "UTMALDG": "tma", "REDG": "atomics", "RED": "atomics",
+              "ATOMG": "atomics"}
+# Counted in each kernel's PTX.
+PTX_OPS = ("cp.async.bulk.tensor", "cp.async.cg", "cp.async.ca", "ld.global", "wgmma.wait_group", "setmaxnreg",
+           "red.", "atom.")
+
+
 def loops(sass):
-    """Instruction, MUFU (exp2) and tensor-core (HGMMA, HMMA, UTC*MMA) counts of each loop body (a backward
-    branch) in a SASS listing; an outer loop's count includes its inner loops."""
+    """Instruction, MUFU (exp2), tensor-core (HGMMA, HMMA, UTC*MMA) and global memory (MEMORY_OPS) counts of each
+    loop body (a backward branch) in a SASS listing; an outer loop's count includes its inner loops."""
     code = []
     for line in sass.splitlines():
         match = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
         if match:
             code.append((int(match.group(1), 16), match.group(2).strip()))
+    # Code after the kernel's last unconditional EXIT is out-of-line stubs (TMA's barrier waits retry there and
+    # branch back into the loop they came from): not loops.
+    end = max((address for address, text in code if text == "EXIT"), default=None)
     found = []
     for address, text in code:
         branch = re.search(r"\bBRA(?:\.[A-Z.]+)?\s+(?:`\()?(0x[0-9a-f]+)", text)
-        if branch and int(branch.group(1), 16) < address:
+        if branch and int(branch.group(1), 16) < address and (end is None or address < end):
             body = [t for a, t in code if int(branch.group(1), 16) <= a <= address]
             ops = collections.Counter(re.sub(r"^@!?U?P[T0-9]+\s+", "", t).split()[0].split(".")[0] for t in body)
+            memory = collections.Counter()
+            for op, name in MEMORY_OPS.items():
+                memory[name] += ops.get(op, 0)
             found.append({"instructions": len(body), "mufu": ops.get("MUFU", 0),
-                          "mma": sum(count for op, count in ops.items() if op.endswith("MMA"))})
+                          "mma": sum(count for op, count in ops.items() if op.endswith("MMA")),
+                          "memory": {name: count for name, count in memory.items() if count}})
     return sorted(found, key=lambda loop: -loop["instructions"])
 
 
@@ -151,30 +176,61 @@ def build(arch, tag, fn, signature, constants, divisible, num_warps, num_stages)
                           text=True).stdout
     found = loops(sass)
     info["loops"] = [loop for loop in found if loop["mma"]] or found  # the loops that run the tiles' dots
+    ptx = kernel.asm["ptx"]
+    info["ptx"] = {op.rstrip("."): len(re.findall(r"^\s*(?:@%p\d+\s+)?" + re.escape(op), ptx, re.M))
+                   for op in PTX_OPS}
     return info
 
 
-def variant(arch, tag, dtype="bf16", head_dim=64, bias=1, causal=False, kmask=False, varlen=False, dropout=False):
+def variant(arch, tag, dtype="bf16", head_dim=64, bias=1, causal=False, kmask=False, varlen=False, dropout=False,
+            kernel_variants=frozenset()):
     if dtype == "bf16" and arch < 80:
         dtype = "fp16"  # the chip has no bf16: the kernel refuses it there
     pointer = POINTER[dtype]
     common = dict(MAX_DIST=128 if bias == 1 else 1, BIAS_TYPE=bias, CAUSAL=causal, HAS_KMASK=kmask,
                   IS_VARLEN=varlen, HEAD_DIM=head_dim, DOT_PRECISION="tf32" if dtype != "fp32" else "ieee",
-                  DROPOUT=dropout)
+                  DROPOUT=dropout, BAND_TILES="band_tiles" in kernel_variants and bias == 1
+                  and bool(K.chip_tiles(arch, "band tiles", head_dim)))
+    fused = "fused_backward" in kernel_variants and not causal \
+        and blocks(arch, head_dim, "fused", dropout, varlen) is not None
+    if kernel_variants:
+        tag += "".join(f"+{name}" for name in sorted(kernel_variants))
     # The dropout arguments: the (seed, stream) tensor, the 16-bit threshold and 1 / (1 - p).
     dropout_signature = dict(SEED="*i64", dropout_threshold="i32", dropout_scale="fp32")
     results = []
     for kernel, name in KERNELS.items():
+        if kernel == "dq" and fused:
+            continue
         fn = getattr(K, name)
-        bm, bn, warps, stages = blocks(arch, head_dim, kernel, dropout, varlen)
+        constants = dict(common)
+        tiles = None
+        if kernel == "forward":
+            # As the launcher: TMA where the chip has "forward tma" tiles, wide ones unless T5's gather or packed rows.
+            tma = "tma" in kernel_variants and blocks(arch, head_dim, "forward tma") is not None
+            wide = (bias != 1 or common["BAND_TILES"]) and not varlen
+            tiles = blocks(arch, head_dim, "forward tma" if wide else "forward", dropout) if tma else None
+            constants["TMA"] = tiles is not None
+        if kernel == "dkdv":
+            constants["FUSED"] = fused
+            tiles = blocks(arch, head_dim, "fused", dropout, varlen) if fused else None
+        bm, bn, warps, stages = tiles or blocks(arch, head_dim, kernel, dropout, varlen)
         signature = {n: "i32" for n in fn.arg_names}
         signature.update({n: pointer for n in ("Q", "K", "V", "Out", "DO", "DK", "DV", "DQ")})
-        signature.update(LSE="*fp32", DELTA="*fp32", DLUT="*fp32", LUT="*fp32", SLOPES="*fp32", KMASK="*fp32",
-                         CU_Q="*i32", CU_K="*i32", qk_scale="fp32", scale="fp32", **dropout_signature)
-        divisible = [n for n in fn.arg_names if (n[0].isupper() and n not in common) or
-                     (n.startswith("stride") and n != "stride_lut_h")] + ["seqlen_q", "seqlen_k"]
-        results.append(build(arch, tag, fn, signature, dict(common, BLOCK_M=bm, BLOCK_N=bn), divisible, warps,
-                             stages))
+        signature.update(LSE="*fp32", DELTA="*fp32", DLUT="*fp32", LUT="*fp32", BAND="*fp32", SLOPES="*fp32",
+                         KMASK="*fp32", CU_Q="*i32", CU_K="*i32", qk_scale="fp32", scale="fp32", **dropout_signature)
+        if kernel == "dkdv":
+            signature["DQ"] = "*fp32"  # fused_backward's fp32 sum of dQ
+        # As a training call specialises them: q_offset 0, strides and lengths multiples of 16.
+        divisible = [n for n in fn.arg_names if (n[0].isupper() and n not in constants) or
+                     (n.startswith("stride") and n != "stride_lut_h")] + ["seqlen_q", "seqlen_k", "q_offset"]
+        row = build(arch, tag, fn, signature, dict(constants, BLOCK_M=bm, BLOCK_N=bn), divisible, warps, stages)
+        if "band_tiles" in kernel_variants and bias == 1 and not constants["BAND_TILES"]:
+            row["note"] = "no band tiles on the chip: built with the gather"
+        if "tma" in kernel_variants and constants.get("TMA") is False:
+            row["note"] = "no forward tma tiles for the chip: built without TMA"
+        if "fused_backward" in kernel_variants and kernel != "forward" and not fused:
+            row["note"] = "no fused tiles for the chip, head dim and rows: two backward kernels"
+        results.append(row)
     return results
 
 
@@ -200,6 +256,7 @@ for _tag in DROPOUT_VARIANTS:
 
 
 def ceiling(tag):
+    tag = tag.split("+")[0]
     options = VARIANTS[tag]
     if options.get("dropout"):
         return ceiling(tag.removesuffix("_drop"))
@@ -228,7 +285,11 @@ def print_details(arch, rows):
         if "error" in r:
             print(f"{r['tag']:20} {r['kernel']:22} COMPILE ERROR {r['error'][:80]}")
             continue
-        bodies = ", ".join(f"{loop['instructions']}/{loop['mufu']}" for loop in r["loops"])
+        bodies = ", ".join(f"{loop['instructions']}/{loop['mufu']}" + (
+            " (" + " ".join(f"{name} {count}" for name, count in loop["memory"].items()) + ")" if loop["memory"]
+            else "") for loop in r["loops"])
+        ptx = r.get("ptx", {})
+        bodies += "; PTX " + ", ".join(f"{op} {count}" for op, count in ptx.items() if count) if ptx else ""
         far = far_loop(r["tag"], r)
         reference = found.get((ceiling(r["tag"]), r["kernel"]))
         reference = far_loop(ceiling(r["tag"]), reference) if reference else None
@@ -280,6 +341,10 @@ def parse_args():
     parser.add_argument("--arch", default="90",
                         help=f"compute capability to compile for, or a comma-separated list, or 'all' "
                              f"({', '.join(map(str, CHIPS))}); default 90 (H100, H200)")
+    parser.add_argument("--kernel-variants", default="default", metavar="SETS",
+                        help=f"build with these sets of the kernel's variants: names comma-separated, sets "
+                             f"semicolon-separated, 'default' the default kernel (e.g. "
+                             f"'default;band_tiles;band_tiles,tma'); names: {', '.join(K.VARIANT_NAMES)}")
     parser.add_argument("--summary", action="store_true",
                         help="print one compact table per chip (tiles, registers, spills, shared memory) instead of "
                              "the loop-body table")
@@ -291,6 +356,11 @@ def parse_args():
         args.arch = list(CHIPS) if args.arch == "all" else [int(arch) for arch in args.arch.split(",")]
     except ValueError:
         parser.error(f"--arch takes compute capabilities such as 80 or 80,86 or 'all', got {args.arch!r}")
+    try:
+        args.kernel_variants = [K.kernel_variants("" if names.strip() == "default" else names)
+                                for names in args.kernel_variants.split(";")]
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 
@@ -304,8 +374,9 @@ if __name__ == "__main__":
     chosen = chosen or [tag for tag in VARIANTS if not VARIANTS[tag].get("dropout")]
     for arch in args.arch:
         rows = []
-        for tag in chosen:
-            for row in variant(arch, tag, **VARIANTS[tag]):
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+        for kernel_variants in args.kernel_variants:
+            for tag in chosen:
+                for row in variant(arch, tag, **VARIANTS[tag], kernel_variants=kernel_variants):
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
         (print_summary if args.summary else print_details)(arch, rows)

@@ -143,6 +143,26 @@ def test_tile_sweep_smoke_times_every_candidate_it_passed_to_the_kernel(tmp_path
 
 
 @pytest.mark.slow
+def test_variant_sweep_smoke_times_every_configuration_against_the_default(tmp_path):
+    """Every configuration of the GPU window's variant sweep compiles, matches the default kernel at its dropout
+    (the fused backward's fp32 atomics included) and is timed, forward and forward+backward, after its default."""
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "variant_sweep.py"), "--smoke", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (raw,) = tmp_path.glob("variant_sweep_*.jsonl")
+    rows = read_rows(raw)[1]
+    sys.path.insert(0, str(BENCHMARKS))
+    from variant_sweep import CONFIGS
+
+    configs = list(dict.fromkeys(row["config"] for row in rows))
+    assert configs == ["default", "default@0.1"] + [c for c in CONFIGS if not c.startswith("default")]
+    assert [row["pass"] for row in rows] == ["fwd", "fwd+bwd"] * len(configs)
+    assert all(row["status"] == "ok" and row["ms"] > 0 and row["max_difference"] < 1e-4 for row in rows), rows
+    assert all(row["speed"] == 1.0 for row in rows if not row["variants"])
+    assert "| configuration | L | fwd ms / TFLOP/s | fwd speed |" in result.stdout
+
+
+@pytest.mark.slow
 def test_decode_smoke_run_writes_rows(tmp_path):
     stdout, rows = run_smoke("attention.py", tmp_path, "--decode")
     assert "| batch | Lk | fat5 | sdpa_dense_bias | sdpa_nobias |" in stdout
@@ -166,6 +186,8 @@ def test_decode_smoke_run_writes_rows(tmp_path):
                  "train_step_flex", marks=pytest.mark.slow),
     pytest.param("tile_sweep.py", ["--kernels", "dq,bwd"], "unknown --kernels ['bwd']; choose from forward, dkdv, dq",
                  marks=pytest.mark.slow),
+    pytest.param("variant_sweep.py", ["--configs", "default,band_tile@0.1"], "--configs 'band_tile@0.1': unknown "
+                 "kernel variants ['band_tile']; choose from band_tiles, tma, fused_backward", marks=pytest.mark.slow),
     ("gpu_suite.py", [], "say which call to run (--call 1 or --call 2), or --goals ARCHIVE..."),
     ("gpu_suite.py", ["--goals", "missing.tar.gz"], "--goals: no such archive missing.tar.gz"),
     ("gpu_suite.py", ["--call", "1", "--smoke", "--budget", "nan"], "--budget nan: must be a number of seconds, 0 or "
@@ -426,8 +448,8 @@ def test_packed_step_and_pretrain_seed_smoke_runs(tmp_path):
     *(pytest.param(script, "run --smoke (it checks the script), or --allow-cpu with smaller sizes",
                    marks=pytest.mark.slow) for script in ("train_step.py", "generate.py")),
     pytest.param("gpu_suite.py", "run --smoke (it checks the plan itself)", marks=pytest.mark.slow),
-    pytest.param("compile_times.py", "run --smoke (it checks the script in Triton's interpreter)",
-                 marks=pytest.mark.slow),
+    *(pytest.param(script, "run --smoke (it checks the script in Triton's interpreter)", marks=pytest.mark.slow)
+      for script in ("compile_times.py", "variant_sweep.py")),
 ])
 def test_default_run_without_a_gpu_says_what_to_run_instead(tmp_path, script, instead):
     call = ["--call", "1"] if script == "gpu_suite.py" else []

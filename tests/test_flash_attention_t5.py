@@ -219,27 +219,32 @@ def test_dq_query_tiles_taller_than_key_tiles(monkeypatch, bidirectional):
     assert "dq" in kernels
 
 
-def test_packed_rows_backward_asks_for_the_packed_tiles(monkeypatch):
+def test_packed_rows_and_dropout_ask_for_their_tiles(monkeypatch):
     """The backward of packed rows (varlen) takes the chip's packed tiles (Hopper's at d = 64 differ: the sequence
-    bounds' registers), padded batches the plain ones; the forward has one set."""
+    bounds' registers), padded batches the plain ones; the forward has one set. With dropout, every kernel takes the
+    chip's dropout tiles (Blackwell's forward at d = 64 differs: the tiles built without spills)."""
     asked, default_blocks = [], kernel_module._blocks
 
     def blocks(head_dim, kernel, device, dropout=False, packed=False):
-        asked.append((kernel, packed))
+        asked.append((kernel, packed, dropout))
         return default_blocks(head_dim, kernel, device, dropout, packed)
 
     monkeypatch.setattr(kernel_module, "_blocks", blocks)
     q, k, v, table = (t.requires_grad_() for t in inputs(1, 2, 12, 12, 32, seed=3))
     options = dict(bias_table=table, num_buckets=NUM_BUCKETS, max_distance=MAX_DISTANCE)
     flash_attention_t5(q, k, v, **options).sum().backward()
-    assert asked == [("forward", False), ("dkdv", False), ("dq", False)]
+    assert asked == [("forward", False, False), ("dkdv", False, False), ("dq", False, False)]
     asked.clear()
     cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=KERNEL_DEVICE)
     packed = [t.detach()[0].transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v)]
     flash_attention_t5_varlen(*packed, cu, cu, 7, 7, **options).sum().backward()
-    assert asked == [("forward", False), ("dkdv", True), ("dq", True)]
+    assert asked == [("forward", False, False), ("dkdv", True, False), ("dq", True, False)]
+    asked.clear()
+    flash_attention_t5(q, k, v, **options, dropout_p=0.1).sum().backward()
+    assert asked == [("forward", False, True), ("dkdv", False, True), ("dq", False, True)]
     assert kernel_module.chip_tiles(90, "dq", 64, packed=True) != kernel_module.chip_tiles(90, "dq", 64)
     assert kernel_module.chip_tiles(80, "dq", 64, packed=True) == kernel_module.chip_tiles(80, "dq", 64)
+    assert kernel_module.chip_tiles(100, "forward", 64, dropout=True) != kernel_module.chip_tiles(100, "forward", 64)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -62,6 +62,39 @@ DROPOUT_BITS = 16
 # constant 1 (on which `.to` fails) and one divisible by 16 as its own variant. A dropout threshold of 1
 # (7.6e-6 <= p < 2.3e-5) would not compile, and other p values would compile the kernels again.
 RUNTIME_SCALARS = ["dropout_threshold"]
+# Kernel variants (issue 46): paths that the GPU's variant sweep (benchmarks/variant_sweep.py) times against the
+# default kernel, which runs unless one is selected; none becomes the default without a GPU measurement.
+#   band_tiles      the T5 bias of a near-band tile read as a plain tile of a per-head band matrix (built once a
+#                   call from the lookup table: _band_matrix), straight into the scores' accumulator, instead of
+#                   gathered per score, on chips whose tile table has "band tiles" (Hopper)
+#   tma             the forward's key and value tiles loaded by TMA (tensor descriptors), on chips with a "forward
+#                   tma" entry (Hopper): its wide key tiles beside band tiles or another bias, else the forward's own
+#   fused_backward  one backward kernel: dK/dV walking query tiles and adding dQ and the table gradient with fp32
+#                   atomics, so that the scores and the dropout mask are computed once, not in two kernels (chips
+#                   with "fused dropout" tiles: Hopper, with dropout at d = 64 on padded batches, not causal)
+VARIANT_NAMES = ("band_tiles", "tma", "fused_backward")
+
+
+def kernel_variants(names):
+    """The variants named in a comma-separated string (or an iterable of names), as a frozenset."""
+    names = frozenset(filter(None, (name.strip() for name in (names.split(",") if isinstance(names, str)
+                                                              else names))))
+    unknown = sorted(names - set(VARIANT_NAMES))
+    if unknown:
+        raise ValueError(f"unknown kernel variants {unknown}; choose from {', '.join(VARIANT_NAMES)}")
+    return names
+
+
+# The variants this process runs: FAT5_KERNEL_VARIANTS=band_tiles,tma (read once, on import); the sweep and the tests
+# set VARIANTS itself (kernel_variants(...)).
+VARIANTS = kernel_variants(os.environ.get("FAT5_KERNEL_VARIANTS", ""))
+# The band matrix of band_tiles: per head, BAND_ROWS rows, row i holding the clamped table shifted right by i columns,
+# so that the bias of any near-band tile (any q_offset, BLOCK_M <= BAND_ROWS, BLOCK_N <= BAND_MARGIN) is a plain 2D
+# tile of it: bias(i, j) of the query tile at start_m and the key tile at start_n is row i, column
+# start_n + j - start_m - q_offset + max_distance + BAND_MARGIN.
+BAND_ROWS = 128
+BAND_MARGIN = 128
+KERNEL_BAND_MARGIN = tl.constexpr(BAND_MARGIN)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of each kernel at head dims 32, 64 and 128, by GPU generation, chosen
@@ -85,6 +118,18 @@ HOPPER = {  # wgmma, 227 KB: no spills and no serialised wgmma with triton 3.6
     # 64 x 64 on 4 warps spill (dK/dV 16 bytes, dQ 56); these spill nothing under 3.6 or 3.9.
     "dkdv packed": ((64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2)),
     "dq packed": ((64, 64, 4, 2), (128, 32, 8, 2), (128, 32, 8, 2)),
+    # Variant band_tiles runs here (True per head dim): elsewhere it spilled (under triton 3.6, Ampere's and sm_120's
+    # dK/dV at d = 128 768-808 bytes, sm_100's forward at d = 64 32).
+    "band tiles": (True, True, True),
+    # Variant tma: key tiles twice as wide, loaded by TMA, for padded batches with band tiles or without T5's bias;
+    # with T5's per-score gather and for packed rows the forward's own tiles (128 x 128 spilled 8-2724 bytes there
+    # under triton 3.6 or 3.9).
+    "forward tma": ((128, 128, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2)),
+    # Variant fused_backward, with dropout at d = 64 on padded batches (and not causal: the launcher): the dK/dV
+    # kernel also holds dQ's product, on 32-wide key tiles and one stage (64 x 32 on two stages spilled 8-24 bytes,
+    # 64 x 64 on 4 warps 448 and more; without dropout, at d = 32 and on packed rows 64 x 32 spilled 28-68 bytes
+    # under triton 3.9, at d = 128 every tile tried spilled): two kernels elsewhere.
+    "fused dropout": (None, (64, 32, 4, 1), None),
 }
 # tcgen05, 227 KB: Hopper's tiles but where they spill there (triton 3.6 / 3.9): dQ on 128 x 32, 8 warps, at d <= 64
 # (64 x 64 on 4 warps spilled 124 bytes); with dropout the forward on 128 x 32 at d = 64 (128 x 64 spilled 8 bytes
@@ -129,10 +174,17 @@ TILES = {75: TURING, 80: AMPERE, 86: AMPERE, 89: AMPERE, 90: HOPPER, 100: BLACKW
 def chip_tiles(capability, kernel, head_dim, dropout=False, packed=False):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of `kernel` ("forward", "dkdv" or "dq") at `head_dim` on a GPU of
     compute capability `capability` (major * 10 + minor, e.g. 86), with attention dropout or for packed rows
-    (varlen: a chip's "<kernel> packed" tiles where its table has them, else its tiles without dropout)."""
+    (varlen: a chip's "<kernel> packed" tiles where its table has them, else its tiles without dropout).
+    "forward tma" (variant tma's wide tiles) and "fused" (variant fused_backward): the tiles of the variant's kernel,
+    "band tiles" (variant band_tiles) True; None where the chip's table has none (the variant does not run there)."""
     known = [key for key in TILES if key <= capability] or [min(TILES)]
     table = TILES[max(known)]
     column = 0 if head_dim <= 32 else 1 if head_dim <= 64 else 2
+    if kernel in ("band tiles", "forward tma", "fused"):  # variants (the fused backward: dropout on padded batches)
+        if kernel == "fused":
+            kernel = "fused dropout" if dropout and not packed else None
+        tiles = table.get(kernel)
+        return tiles and tiles[column]
     if dropout:
         return table[f"{kernel} dropout"][column]
     return table.get(f"{kernel} packed" if packed else kernel, table[kernel])[column]
@@ -150,7 +202,8 @@ def _capability(device):
 
 
 def _blocks(head_dim, kernel, device, dropout=False, packed=False):
-    """The tiles of `kernel` on `device`: small ones in the CPU interpreter, the chip's (chip_tiles) on a GPU."""
+    """The tiles of `kernel` on `device`: small ones in the CPU interpreter, the chip's (chip_tiles) on a GPU (None
+    for a variant's kernel without tiles there)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return 16, 16, 1, 1
     major, minor = _capability(device)
@@ -230,15 +283,19 @@ def _alibi_row_bias(rows, start_n, h, q_offset, SLOPES, BIAS_TYPE: tl.constexpr,
 
 
 @triton.jit
-def _scores(q, kt, rows, cols, start_n, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES, KMASK,
-            stride_mask_b, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr,
-            MASK_CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _scores(q, kt, rows, cols, start_m, start_n, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, band, SLOPES,
+            KMASK, stride_mask_b, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr,
+            MASK_CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            BAND_TILES: tl.constexpr):
     """log2-scaled scores of one tile with the per-element bias added; -inf where the pair is not visible.
 
     Everything per key (keys past the end, padding) is one column vector, so a far tile costs one FMA per score
     like no bias at all; the per-row parts (_far_bias, _alibi_row_bias) are applied by the caller. Rows past the
     end need no mask: they are never stored, and the backward reads +inf for their log-sum-exp, which makes their
-    probabilities 0."""
+    probabilities 0. With BAND_TILES, a near-band tile's T5 bias is a tile of this head's band matrix (`band`),
+    rows from the query tile at start_m, the initial accumulator of the scores' product (read straight into the
+    accumulator's registers: added after the product, on sm_90a the forward kept two copies of the scores and
+    computed each exp2 twice, and dK/dV with dropout spilled 8-128 bytes)."""
     if HAS_KMASK:
         # 0 for kept keys, -inf for padding and for the KEY_MASK_PAD columns past the end: no bounds check.
         column = tl.load(KMASK + b * stride_mask_b + cols)
@@ -249,10 +306,18 @@ def _scores(q, kt, rows, cols, start_n, b, h, k_len, q_offset, qk_scale, LUT, st
             # One side of the diagonal: -slope * |j - i| = -slope * |i + q_offset - start_n| -+ slope * (j - start_n).
             offset = (cols - start_n).to(tl.float32) * (tl.load(SLOPES + h) * KERNEL_LOG2E)
             column += offset if REGION == FAR_LEFT else -offset
-    s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale + column[None, :]
+    if BIAS_TYPE == 1 and REGION == NEAR and BAND_TILES:
+        BAND_WIDTH: tl.constexpr = (2 * MAX_DIST + 3 * KERNEL_BAND_MARGIN + 15) // 16 * 16
+        band_cols = cols - start_m - q_offset + (MAX_DIST + KERNEL_BAND_MARGIN)
+        bias = tl.load(band + (rows - start_m)[:, None] * BAND_WIDTH + band_cols[None, :])
+        # In units of the raw product (the launcher passes no zero scale).
+        s = tl.dot(q, kt, bias * (KERNEL_LOG2E / qk_scale), input_precision=DOT_PRECISION) * qk_scale
+        s += column[None, :]
+    else:
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale + column[None, :]
     relative = cols[None, :] - (rows[:, None] + q_offset)
     if BIAS_TYPE == 1:
-        if REGION == NEAR:
+        if REGION == NEAR and not BAND_TILES:
             index = tl.minimum(tl.maximum(relative, -MAX_DIST), MAX_DIST) + MAX_DIST
             s += tl.load(LUT + h * stride_lut_h + index) * KERNEL_LOG2E
     elif BIAS_TYPE == 2:
@@ -397,20 +462,28 @@ def _dropout_state(SEED, pid_bh, dropout_threshold, DROPOUT: tl.constexpr):
 
 
 @triton.jit
-def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, rows, offs_n, offs_d, b, h, k_len, q_offset,
-                   qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES, KMASK, stride_mask_b,
+def _forward_tiles(acc, l_i, m_i, q, k_src, v_src, lo, hi, rows, offs_n, offs_d, start_m, b, h, k_len, q_offset,
+                   qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, band, SLOPES, KMASK, stride_mask_b,
                    MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr,
                    MASK_CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   BLOCK_N: tl.constexpr, bh, seed_lo, seed_hi, stream, threshold_hi, DROPOUT: tl.constexpr):
+                   BLOCK_N: tl.constexpr, bh, seed_lo, seed_hi, stream, threshold_hi, DROPOUT: tl.constexpr,
+                   BAND_TILES: tl.constexpr, TMA: tl.constexpr):
+    """Key tiles [lo, hi) of one region; k_src and v_src are the sequence's key and value rows: pointers, or tensor
+    descriptors (TMA: rows past the end read as zeros)."""
     far_bias = _far_bias(h, LUT, stride_lut_h, MAX_DIST, BIAS_TYPE, REGION)
     # Not software-pipelined in the near band: staging its per-score table gather through shared memory doubled
-    # shared memory and made ptxas serialise the wgmma of the whole kernel (benchmarks/sm90_profile.py).
+    # shared memory and made ptxas serialise the wgmma of the whole kernel (benchmarks/sm90_profile.py); staging
+    # band tiles serialised it too.
     for start_n in tl.range(lo, hi, BLOCK_N, num_stages=1 if REGION == NEAR else None):
         cols = start_n + offs_n
         col_ok = cols < k_len
-        kt = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None], mask=col_ok[None, :], other=0.0)
-        s = _scores(q, kt, rows, cols, start_n, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES, KMASK,
-                    stride_mask_b, MAX_DIST, BIAS_TYPE, REGION, MASK_CAUSAL, HAS_KMASK, DOT_PRECISION)
+        if TMA:
+            kt = tl.trans(k_src.load([start_n, 0]))
+        else:
+            kt = tl.load(k_src + cols[None, :] * stride_kn + offs_d[:, None], mask=col_ok[None, :], other=0.0)
+        s = _scores(q, kt, rows, cols, start_m, start_n, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, band,
+                    SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, REGION, MASK_CAUSAL, HAS_KMASK, DOT_PRECISION,
+                    BAND_TILES)
         # A far tile's bias is constant along rows: add it to the row max and shift, not to every score.
         row_bias = far_bias + _alibi_row_bias(rows, start_n, h, q_offset, SLOPES, BIAS_TYPE, REGION)
         m_new = tl.maximum(m_i, tl.max(s, axis=1) + row_bias)
@@ -419,7 +492,10 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, rows, offs_n, offs_
         p = tl.exp2(s - (m_shift - row_bias)[:, None])
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        if TMA:
+            v = v_src.load([start_n, 0])
+        else:
+            v = tl.load(v_src + cols[:, None] * stride_vn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
         if DROPOUT:
             # l_i sums the probabilities before dropout (the softmax's normaliser); only the values see the mask.
             kept = _dropout_keep(rows, start_n, bh, seed_lo, seed_hi, stream, threshold_hi, BLOCK_N)
@@ -432,15 +508,15 @@ def _forward_tiles(acc, l_i, m_i, q, k_base, v_base, lo, hi, rows, offs_n, offs_
 
 
 @triton.jit(do_not_specialize=RUNTIME_SCALARS)
-def _forward_kernel(Q, K, V, Out, LSE, LUT, SLOPES, KMASK, CU_Q, CU_K, SEED,
+def _forward_kernel(Q, K, V, Out, LSE, LUT, BAND, SLOPES, KMASK, CU_Q, CU_K, SEED,
                     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
-                    stride_lse_b, stride_lse_h, stride_lut_h, stride_mask_b,
+                    stride_lse_b, stride_lse_h, stride_lut_h, stride_band_h, stride_mask_b,
                     num_heads, seqlen_q, seqlen_k, q_offset, qk_scale, dropout_threshold, dropout_scale,
                     MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
                     HAS_KMASK: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
                     DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BAND_TILES: tl.constexpr = False, TMA: tl.constexpr = False):
     # batch * heads on grid axis 0 (no 65535 cap); base offsets in int64 (no wrap past 2^31 elements).
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
@@ -456,8 +532,14 @@ def _forward_kernel(Q, K, V, Out, LSE, LUT, SLOPES, KMASK, CU_Q, CU_K, SEED,
     row_ok = rows < q_len
     q = tl.load(Q + b * stride_qb + h * stride_qh + q_start * stride_qm + rows[:, None] * stride_qm
                 + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    k_base = K + b * stride_kb + h * stride_kh + k_start * stride_kn
-    v_base = V + b * stride_vb + h * stride_vh + k_start * stride_vn
+    k_src = K + b * stride_kb + h * stride_kh + k_start * stride_kn
+    v_src = V + b * stride_vb + h * stride_vh + k_start * stride_vn
+    if TMA:  # the sequence's rows: TMA reads zeros past its end
+        k_src = tl.make_tensor_descriptor(k_src, shape=[k_len, HEAD_DIM], strides=[stride_kn, 1],
+                                          block_shape=[BLOCK_N, HEAD_DIM])
+        v_src = tl.make_tensor_descriptor(v_src, shape=[k_len, HEAD_DIM], strides=[stride_vn, 1],
+                                          block_shape=[BLOCK_N, HEAD_DIM])
+    band = BAND + h * stride_band_h
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -465,20 +547,23 @@ def _forward_kernel(Q, K, V, Out, LSE, LUT, SLOPES, KMASK, CU_Q, CU_K, SEED,
     bh, seed_lo, seed_hi, stream, threshold_hi = _dropout_state(SEED, pid_bh, dropout_threshold, DROPOUT)
     near_start, near_end, end_n = _key_tile_bounds(start_m, q_len, k_len, q_offset, MAX_DIST, BIAS_TYPE, CAUSAL,
                                                    BLOCK_M, BLOCK_N)
-    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, 0, near_start, rows, offs_n, offs_d, b, h, k_len,
-                                   q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES, KMASK,
-                                   stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK, DOT_PRECISION,
-                                   BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi, DROPOUT)
+    acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_src, v_src, 0, near_start, rows, offs_n, offs_d, start_m, b, h,
+                                   k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, band, SLOPES,
+                                   KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK,
+                                   DOT_PRECISION, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi, DROPOUT,
+                                   BAND_TILES, TMA)
     if BIAS_TYPE != 0 or CAUSAL:
-        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, near_start, near_end, rows, offs_n, offs_d, b,
-                                       h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES,
-                                       KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, NEAR, CAUSAL, HAS_KMASK,
-                                       DOT_PRECISION, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi, DROPOUT)
+        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_src, v_src, near_start, near_end, rows, offs_n, offs_d,
+                                       start_m, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT,
+                                       stride_lut_h, band, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, NEAR,
+                                       CAUSAL, HAS_KMASK, DOT_PRECISION, BLOCK_N, bh, seed_lo, seed_hi, stream,
+                                       threshold_hi, DROPOUT, BAND_TILES, TMA)
     if BIAS_TYPE != 0 and not CAUSAL:
-        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_base, v_base, near_end, end_n, rows, offs_n, offs_d, b, h,
-                                       k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES,
-                                       KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_RIGHT, False, HAS_KMASK,
-                                       DOT_PRECISION, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi, DROPOUT)
+        acc, l_i, m_i = _forward_tiles(acc, l_i, m_i, q, k_src, v_src, near_end, end_n, rows, offs_n, offs_d, start_m,
+                                       b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, band,
+                                       SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_RIGHT, False, HAS_KMASK,
+                                       DOT_PRECISION, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi, DROPOUT,
+                                       BAND_TILES, TMA)
 
     seen = l_i > 0
     if DROPOUT:
@@ -493,12 +578,45 @@ def _forward_kernel(Q, K, V, Out, LSE, LUT, SLOPES, KMASK, CU_Q, CU_K, SEED,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, lo, hi, cols, start_n, offs_m, offs_d, b, h,
-                q_len, k_len, q_offset, qk_scale, stride_qm, stride_dom, LUT, stride_lut_h, SLOPES, KMASK,
-                stride_mask_b, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr,
-                MASK_CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, bh, seed_lo, seed_hi, stream, threshold_hi,
-                keep_probability, DROPOUT: tl.constexpr):
+def _add_diagonal_sums(ds, dlut_base, relative_start, dropout_scale, MAX_DIST: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr):
+    """Adds a near-band dS tile (query rows x key columns) to the table gradient, one value per diagonal (one
+    relative position; relative_start = first column - (first row + q_offset)), not one per element.
+
+    Skew each row cyclically, skewed[i, t] = dS[i, (i + t) mod BLOCK_N]: within a group of BLOCK_N rows
+    g * BLOCK_N + r, column t holds diagonal j - i = t - g * BLOCK_N where r + t < BLOCK_N and t - (g + 1) * BLOCK_N
+    where it wraps, so two masked sums per group give every diagonal. The skewed tile is no larger than dS (an
+    acyclic skew, BLOCK_M x (BLOCK_M + BLOCK_N), made the sm_90a build spill). With dropout, dS lacks its factor
+    1 / (1 - p), applied here."""
+    tl.static_assert(BLOCK_M % BLOCK_N == 0, "the diagonal sums need whole groups of BLOCK_N rows")
+    GROUPS: tl.constexpr = BLOCK_M // BLOCK_N
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    skewed = tl.gather(ds, (offs_m[:, None] + offs_n[None, :]) & (BLOCK_N - 1), axis=1)
+    wrapped = (offs_m[:, None] & (BLOCK_N - 1)) + offs_n[None, :] >= BLOCK_N
+    upper = tl.sum(tl.reshape(tl.where(wrapped, 0.0, skewed), [GROUPS, BLOCK_N, BLOCK_N]), axis=1)
+    lower = tl.sum(tl.reshape(tl.where(wrapped, skewed, 0.0), [GROUPS, BLOCK_N, BLOCK_N]), axis=1)
+    if DROPOUT:
+        upper *= dropout_scale
+        lower *= dropout_scale
+    relative = relative_start + offs_n[None, :] - tl.arange(0, GROUPS)[:, None] * BLOCK_N
+    index = tl.minimum(tl.maximum(relative, -MAX_DIST), MAX_DIST) + MAX_DIST
+    tl.atomic_add(dlut_base + index, upper, sem="relaxed")
+    index = tl.minimum(tl.maximum(relative - BLOCK_N, -MAX_DIST), MAX_DIST) + MAX_DIST
+    # Column 0 never wraps.
+    tl.atomic_add(dlut_base + index, lower, mask=(offs_n > 0)[None, :], sem="relaxed")
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, far_sum, kt, v, q_base, do_base, lse_base, delta_base, dq_base, dlut_base, lo, hi, cols,
+                start_n, offs_m, offs_d, b, h, q_len, k_len, q_offset, qk_scale, stride_qm, stride_dom, stride_dqm, LUT,
+                stride_lut_h, band, SLOPES, KMASK, stride_mask_b, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr,
+                REGION: tl.constexpr, MASK_CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, bh, seed_lo, seed_hi,
+                stream, threshold_hi, keep_probability, dropout_scale, DROPOUT: tl.constexpr,
+                BAND_TILES: tl.constexpr, FUSED: tl.constexpr):
+    """dK and dV over query tiles [lo, hi). FUSED: also adds each tile's dS K to the fp32 dQ at dq_base and its dS
+    to the table gradient (near band: per diagonal; far tiles: returned summed per key column in far_sum)."""
     far_bias = _far_bias(h, LUT, stride_lut_h, MAX_DIST, BIAS_TYPE, REGION)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
@@ -507,8 +625,9 @@ def _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, lo, hi, co
         do = tl.load(do_base + rows[:, None] * stride_dom + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         lse = tl.load(lse_base + rows, mask=row_ok, other=float("inf"))
         delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
-        s = _scores(q, kt, rows, cols, start_n, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h,
-                    SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, REGION, MASK_CAUSAL, HAS_KMASK, DOT_PRECISION)
+        s = _scores(q, kt, rows, cols, start_m, start_n, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, band,
+                    SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, REGION, MASK_CAUSAL, HAS_KMASK, DOT_PRECISION,
+                    BAND_TILES)
         row_bias = far_bias + _alibi_row_bias(rows, start_n, h, q_offset, SLOPES, BIAS_TYPE, REGION)
         # Hidden pairs have s = -inf and rows past the end lse = +inf: p is exactly 0 there.
         p = tl.exp2(s - (lse - row_bias)[:, None])
@@ -526,21 +645,35 @@ def _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, lo, hi, co
             dp = tl.dot(do, tl.trans(v).to(do.dtype), input_precision=DOT_PRECISION)
             ds = p * (dp - delta[:, None])
         dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
-    return dk, dv
+        if FUSED:
+            # Rows past the end have dS = 0 but no memory: masked.
+            dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PRECISION)
+            tl.atomic_add(dq_base + rows[:, None] * stride_dqm + offs_d[None, :], dq, mask=row_ok[:, None],
+                          sem="relaxed")
+            if BIAS_TYPE == 1:
+                if REGION == NEAR:
+                    _add_diagonal_sums(ds, dlut_base, start_n - start_m - q_offset, dropout_scale, MAX_DIST, BLOCK_M,
+                                       BLOCK_N, DROPOUT)
+                else:
+                    far_sum += tl.sum(ds, axis=0)
+    return dk, dv, far_sum
 
 
 @triton.jit(do_not_specialize=RUNTIME_SCALARS)
-def _backward_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LUT, SLOPES, KMASK, CU_Q, CU_K, SEED,
+def _backward_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DLUT, LUT, BAND, SLOPES, KMASK, CU_Q, CU_K, SEED,
                           stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                           stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                           stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                          stride_lse_b, stride_lse_h, stride_lut_h, stride_mask_b,
+                          stride_dqb, stride_dqh, stride_dqm,
+                          stride_lse_b, stride_lse_h, stride_lut_h, stride_band_h, stride_mask_b,
                           num_heads, seqlen_q, seqlen_k, q_offset, qk_scale, scale, dropout_threshold,
                           dropout_scale,
                           MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
                           HAS_KMASK: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
                           DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+                          BLOCK_N: tl.constexpr, BAND_TILES: tl.constexpr = False, FUSED: tl.constexpr = False):
+    """dK and dV of one key tile; FUSED (variant fused_backward): also dQ, unscaled, added to the fp32 DQ with
+    atomics, and the table gradient (DLUT), so that no dQ kernel runs."""
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     b = pid_bh // num_heads
@@ -561,28 +694,39 @@ def _backward_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LUT, SLOPES, KMASK, C
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     q_base = Q + b * stride_qb + h * stride_qh + q_start * stride_qm
     do_base = DO + b * stride_dob + h * stride_doh + q_start * stride_dom
+    dq_base = DQ + b * stride_dqb + h * stride_dqh + q_start * stride_dqm
     lse_base = LSE + b * stride_lse_b + h * stride_lse_h + q_start
     delta_base = DELTA + b * stride_lse_b + h * stride_lse_h + q_start
+    dlut_base = DLUT + h * stride_lut_h
+    band = BAND + h * stride_band_h
+    # dS summed per key column over the query tiles wholly beyond +max_distance / -max_distance (FUSED).
+    far_right = tl.zeros([BLOCK_N], dtype=tl.float32)
+    far_left = tl.zeros([BLOCK_N], dtype=tl.float32)
     bh, seed_lo, seed_hi, stream, threshold_hi = _dropout_state(SEED, pid_bh, dropout_threshold, DROPOUT)
     keep_probability = 1.0 / dropout_scale
     start, near_start, near_end = _query_tile_bounds(start_n, q_len, k_len, q_offset, MAX_DIST, BIAS_TYPE, CAUSAL,
                                                      BLOCK_M, BLOCK_N)
     if BIAS_TYPE != 0 and not CAUSAL:
-        dk, dv = _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, start, near_start, cols, start_n,
-                             offs_m, offs_d, b, h, q_len, k_len, q_offset, qk_scale, stride_qm, stride_dom, LUT,
-                             stride_lut_h, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_RIGHT, False,
-                             HAS_KMASK, DOT_PRECISION, BLOCK_M, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi,
-                             keep_probability, DROPOUT)
+        dk, dv, far_right = _dkdv_tiles(dk, dv, far_right, kt, v, q_base, do_base, lse_base, delta_base, dq_base,
+                                        dlut_base, start, near_start, cols, start_n, offs_m, offs_d, b, h, q_len,
+                                        k_len, q_offset, qk_scale, stride_qm, stride_dom, stride_dqm, LUT,
+                                        stride_lut_h, band, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE,
+                                        FAR_RIGHT, False, HAS_KMASK, DOT_PRECISION, BLOCK_M, BLOCK_N, bh, seed_lo,
+                                        seed_hi, stream, threshold_hi, keep_probability, dropout_scale, DROPOUT,
+                                        BAND_TILES, FUSED)
     if BIAS_TYPE != 0 or CAUSAL:
-        dk, dv = _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, near_start, near_end, cols, start_n,
-                             offs_m, offs_d, b, h, q_len, k_len, q_offset, qk_scale, stride_qm, stride_dom, LUT,
-                             stride_lut_h, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, NEAR, CAUSAL, HAS_KMASK,
-                             DOT_PRECISION, BLOCK_M, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi,
-                             keep_probability, DROPOUT)
-    dk, dv = _dkdv_tiles(dk, dv, kt, v, q_base, do_base, lse_base, delta_base, near_end, q_len, cols, start_n, offs_m,
-                         offs_d, b, h, q_len, k_len, q_offset, qk_scale, stride_qm, stride_dom, LUT, stride_lut_h,
-                         SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK, DOT_PRECISION,
-                         BLOCK_M, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi, keep_probability, DROPOUT)
+        dk, dv, _ = _dkdv_tiles(dk, dv, far_right, kt, v, q_base, do_base, lse_base, delta_base, dq_base, dlut_base,
+                                near_start, near_end, cols, start_n, offs_m, offs_d, b, h, q_len, k_len, q_offset,
+                                qk_scale, stride_qm, stride_dom, stride_dqm, LUT, stride_lut_h, band, SLOPES, KMASK,
+                                stride_mask_b, MAX_DIST, BIAS_TYPE, NEAR, CAUSAL, HAS_KMASK, DOT_PRECISION, BLOCK_M,
+                                BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi, keep_probability, dropout_scale,
+                                DROPOUT, BAND_TILES, FUSED)
+    dk, dv, far_left = _dkdv_tiles(dk, dv, far_left, kt, v, q_base, do_base, lse_base, delta_base, dq_base, dlut_base,
+                                   near_end, q_len, cols, start_n, offs_m, offs_d, b, h, q_len, k_len, q_offset,
+                                   qk_scale, stride_qm, stride_dom, stride_dqm, LUT, stride_lut_h, band, SLOPES, KMASK,
+                                   stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK, DOT_PRECISION,
+                                   BLOCK_M, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi, keep_probability,
+                                   dropout_scale, DROPOUT, BAND_TILES, FUSED)
     if DROPOUT:
         dk *= dropout_scale
         dv *= dropout_scale
@@ -590,28 +734,34 @@ def _backward_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LUT, SLOPES, KMASK, C
              + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + b * stride_dvb + h * stride_dvh + k_start * stride_dvn + cols[:, None] * stride_dvn
              + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+    if FUSED:
+        if BIAS_TYPE == 1:
+            if DROPOUT:
+                far_left *= dropout_scale
+                far_right *= dropout_scale
+            tl.atomic_add(dlut_base, tl.sum(far_left, axis=0), sem="relaxed")
+            tl.atomic_add(dlut_base + 2 * MAX_DIST, tl.sum(far_right, axis=0), sem="relaxed")
 
 
 @triton.jit
-def _dq_tiles(dq, far_sum, q, do, lse, delta, k_base, v_base, dlut_base, lo, hi, rows, offs_n, offs_d, b, h,
-              k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES, KMASK, stride_mask_b,
-              MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr, MASK_CAUSAL: tl.constexpr,
-              HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+def _dq_tiles(dq, far_sum, q, do, lse, delta, k_base, v_base, dlut_base, lo, hi, rows, offs_n, offs_d, start_m, b,
+              h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, band, SLOPES, KMASK,
+              stride_mask_b, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, REGION: tl.constexpr,
+              MASK_CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, bh, seed_lo, seed_hi, stream, threshold_hi, keep_probability, dropout_scale,
-              DROPOUT: tl.constexpr):
+              DROPOUT: tl.constexpr, BAND_TILES: tl.constexpr):
     """dQ over key tiles [lo, hi); far tiles also return the sum of their dS per row (one bias entry each).
     With dropout, dS lacks its factor 1 / (1 - p) (applied once by the caller), except in the near band's
     table gradient, which is added here."""
     far_bias = _far_bias(h, LUT, stride_lut_h, MAX_DIST, BIAS_TYPE, REGION)
-    offs_m = tl.arange(0, BLOCK_M)
-    start_q = tl.min(rows, axis=0) + q_offset
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < k_len
         kt = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None], mask=col_ok[None, :], other=0.0)
         vt = tl.load(v_base + cols[None, :] * stride_vn + offs_d[:, None], mask=col_ok[None, :], other=0.0)
-        s = _scores(q, kt, rows, cols, start_n, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, SLOPES, KMASK,
-                    stride_mask_b, MAX_DIST, BIAS_TYPE, REGION, MASK_CAUSAL, HAS_KMASK, DOT_PRECISION)
+        s = _scores(q, kt, rows, cols, start_m, start_n, b, h, k_len, q_offset, qk_scale, LUT, stride_lut_h, band,
+                    SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, REGION, MASK_CAUSAL, HAS_KMASK, DOT_PRECISION,
+                    BAND_TILES)
         row_bias = far_bias + _alibi_row_bias(rows, start_n, h, q_offset, SLOPES, BIAS_TYPE, REGION)
         # p (hence dS) is exactly 0 outside the visible pairs, so ragged tails and masked keys never reach the
         # bias gradient.
@@ -625,43 +775,25 @@ def _dq_tiles(dq, far_sum, q, do, lse, delta, k_base, v_base, dlut_base, lo, hi,
         dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PRECISION)
         if BIAS_TYPE == 1:
             if REGION == NEAR:
-                # One value per diagonal (one relative position), not one per element. Skew each row cyclically,
-                # skewed[i, t] = dS[i, (i + t) mod BLOCK_N]: within a group of BLOCK_N rows g * BLOCK_N + r, column t
-                # holds diagonal j - i = t - g * BLOCK_N where r + t < BLOCK_N and t - (g + 1) * BLOCK_N where it
-                # wraps, so two masked sums per group give every diagonal. The skewed tile is no larger than dS
-                # (an acyclic skew, BLOCK_M x (BLOCK_M + BLOCK_N), made the sm_90a build spill).
-                tl.static_assert(BLOCK_M % BLOCK_N == 0, "the diagonal sums need whole groups of BLOCK_N rows")
-                GROUPS: tl.constexpr = BLOCK_M // BLOCK_N
-                skewed = tl.gather(ds, (offs_m[:, None] + offs_n[None, :]) & (BLOCK_N - 1), axis=1)
-                wrapped = (offs_m[:, None] & (BLOCK_N - 1)) + offs_n[None, :] >= BLOCK_N
-                upper = tl.sum(tl.reshape(tl.where(wrapped, 0.0, skewed), [GROUPS, BLOCK_N, BLOCK_N]), axis=1)
-                lower = tl.sum(tl.reshape(tl.where(wrapped, skewed, 0.0), [GROUPS, BLOCK_N, BLOCK_N]), axis=1)
-                if DROPOUT:
-                    upper *= dropout_scale
-                    lower *= dropout_scale
-                relative = start_n - start_q + offs_n[None, :] - tl.arange(0, GROUPS)[:, None] * BLOCK_N
-                index = tl.minimum(tl.maximum(relative, -MAX_DIST), MAX_DIST) + MAX_DIST
-                tl.atomic_add(dlut_base + index, upper, sem="relaxed")
-                index = tl.minimum(tl.maximum(relative - BLOCK_N, -MAX_DIST), MAX_DIST) + MAX_DIST
-                # Column 0 never wraps.
-                tl.atomic_add(dlut_base + index, lower, mask=(offs_n > 0)[None, :], sem="relaxed")
+                _add_diagonal_sums(ds, dlut_base, start_n - start_m - q_offset, dropout_scale, MAX_DIST, BLOCK_M,
+                                   BLOCK_N, DROPOUT)
             else:
                 far_sum += tl.sum(ds, axis=1)
     return dq, far_sum
 
 
 @triton.jit(do_not_specialize=RUNTIME_SCALARS)
-def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, SLOPES, KMASK, CU_Q, CU_K, SEED,
+def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, BAND, SLOPES, KMASK, CU_Q, CU_K, SEED,
                         stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                         stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                         stride_dqb, stride_dqh, stride_dqm,
-                        stride_lse_b, stride_lse_h, stride_lut_h, stride_mask_b,
+                        stride_lse_b, stride_lse_h, stride_lut_h, stride_band_h, stride_mask_b,
                         num_heads, seqlen_q, seqlen_k, q_offset, qk_scale, scale, dropout_threshold,
                         dropout_scale,
                         MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr, CAUSAL: tl.constexpr,
                         HAS_KMASK: tl.constexpr, IS_VARLEN: tl.constexpr, HEAD_DIM: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BAND_TILES: tl.constexpr = False):
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_m = tl.program_id(1)
     b = pid_bh // num_heads
@@ -683,6 +815,7 @@ def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, SLOPES, KMASK, C
     k_base = K + b * stride_kb + h * stride_kh + k_start * stride_kn
     v_base = V + b * stride_vb + h * stride_vh + k_start * stride_vn
     dlut_base = DLUT + h * stride_lut_h
+    band = BAND + h * stride_band_h
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # dS summed over the tiles wholly beyond -max_distance / +max_distance: one bias entry each.
     far_left = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -692,22 +825,22 @@ def _backward_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DLUT, LUT, SLOPES, KMASK, C
     near_start, near_end, end_n = _key_tile_bounds(start_m, q_len, k_len, q_offset, MAX_DIST, BIAS_TYPE, CAUSAL,
                                                    BLOCK_M, BLOCK_N)
     dq, far_left = _dq_tiles(dq, far_left, q, do, lse, delta, k_base, v_base, dlut_base, 0, near_start, rows, offs_n,
-                             offs_d, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h, SLOPES,
-                             KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK, DOT_PRECISION,
-                             BLOCK_M, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi, keep_probability,
-                             dropout_scale, DROPOUT)
+                             offs_d, start_m, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h,
+                             band, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_LEFT, False, HAS_KMASK,
+                             DOT_PRECISION, BLOCK_M, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi,
+                             keep_probability, dropout_scale, DROPOUT, BAND_TILES)
     if BIAS_TYPE != 0 or CAUSAL:
         dq, _ = _dq_tiles(dq, far_left, q, do, lse, delta, k_base, v_base, dlut_base, near_start, near_end, rows,
-                          offs_n, offs_d, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT, stride_lut_h,
-                          SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, NEAR, CAUSAL, HAS_KMASK, DOT_PRECISION,
-                          BLOCK_M, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi, keep_probability,
-                          dropout_scale, DROPOUT)
+                          offs_n, offs_d, start_m, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT,
+                          stride_lut_h, band, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, NEAR, CAUSAL,
+                          HAS_KMASK, DOT_PRECISION, BLOCK_M, BLOCK_N, bh, seed_lo, seed_hi, stream, threshold_hi,
+                          keep_probability, dropout_scale, DROPOUT, BAND_TILES)
     if BIAS_TYPE != 0 and not CAUSAL:
         dq, far_right = _dq_tiles(dq, far_right, q, do, lse, delta, k_base, v_base, dlut_base, near_end, end_n, rows,
-                                  offs_n, offs_d, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT,
-                                  stride_lut_h, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_RIGHT, False,
-                                  HAS_KMASK, DOT_PRECISION, BLOCK_M, BLOCK_N, bh, seed_lo, seed_hi, stream,
-                                  threshold_hi, keep_probability, dropout_scale, DROPOUT)
+                                  offs_n, offs_d, start_m, b, h, k_len, q_offset, qk_scale, stride_kn, stride_vn, LUT,
+                                  stride_lut_h, band, SLOPES, KMASK, stride_mask_b, MAX_DIST, BIAS_TYPE, FAR_RIGHT,
+                                  False, HAS_KMASK, DOT_PRECISION, BLOCK_M, BLOCK_N, bh, seed_lo, seed_hi, stream,
+                                  threshold_hi, keep_probability, dropout_scale, DROPOUT, BAND_TILES)
     if DROPOUT:
         dq *= dropout_scale
         far_left *= dropout_scale
@@ -800,6 +933,66 @@ def _dropout_args(dropout_p, dropout_seed, query):
     return dropout_seed, threshold, 1.0 / (1.0 - dropout_p), True
 
 
+# _band_matrix's index into a (H, 2 * max_distance + 1) table, per (max_distance, device): built once, in eager mode.
+_BAND_INDICES = {}
+
+
+def _band_width(max_dist):
+    """Columns of the band matrix (as the kernels compute it): every near-band tile's, a multiple of 16."""
+    return (2 * max_dist + 3 * BAND_MARGIN + 15) // 16 * 16
+
+
+def _band_matrix(lut, max_dist):
+    """Variant band_tiles: (H, BAND_ROWS, _band_width) float32, row i holding the table clamped and shifted by i:
+    entry (h, i, c) is lut[h, clamp(c - i - max_distance - BAND_MARGIN, -max_distance, max_distance) + max_distance].
+    One gather a call; its gradient is not needed (the kernels sum dS into the table's own gradient)."""
+    key = (max_dist, lut.device)
+    index = _BAND_INDICES.get(key)
+    if index is None:
+        with torch.inference_mode(False):
+            relative = (torch.arange(_band_width(max_dist), device=lut.device)[None, :]
+                        - torch.arange(BAND_ROWS, device=lut.device)[:, None] - max_dist - BAND_MARGIN)
+            index = relative.clamp(-max_dist, max_dist) + max_dist
+        if not (lut.is_cuda and torch.cuda.is_current_stream_capturing()):  # not a graph's memory
+            _BAND_INDICES[key] = index
+    return lut[:, index]
+
+
+def _band_args(lut, bias_type, max_dist, scale, query):
+    """(band matrix, its head stride, BAND_TILES) for the kernels: variant band_tiles with T5's table, on a chip whose
+    table says it runs there (any in the interpreter), and a nonzero scale (the forward divides the bias by it)."""
+    if bias_type != BIAS_LUT or "band_tiles" not in VARIANTS or scale == 0 \
+            or not _blocks(query.shape[-1], "band tiles", query.device):
+        return _placeholder(query.device, torch.float32), 0, False
+    band = _band_matrix(lut, max_dist)
+    return band, band.stride(0), True
+
+
+def _tma_scratch(size, alignment, stream):
+    """Global memory for the tensor descriptors a kernel makes (Triton asks for it at launch)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _tma_blocks(key, value, wide, dropout):
+    """Variant tma: the forward's tiles with TMA loads (the chip's "forward tma" entry when `wide`, else its forward
+    tiles; the interpreter's tiles on CPU), or None where it does not run: not selected, a chip without a "forward
+    tma" entry, or keys and values whose rows TMA cannot address (16-byte aligned addresses and strides)."""
+    if "tma" not in VARIANTS:
+        return None
+    aligned = all(t.data_ptr() % 16 == 0 and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
+                  for t in (key, value))
+    if not aligned:
+        return None
+    if key.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return 16, 16, 1, 1
+    major, minor = _capability(key.device)
+    capability = major * 10 + minor
+    if chip_tiles(capability, "forward tma", key.shape[-1]) is None:
+        return None
+    triton.set_allocator(_tma_scratch)  # a context variable: set where the launch runs
+    return chip_tiles(capability, "forward tma" if wide else "forward", key.shape[-1], dropout)
+
+
 @torch.library.custom_op("fat5::flash_attention_forward", mutates_args=())
 def _flash_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              bias_lut: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
@@ -811,20 +1004,24 @@ def _flash_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     out = _new_output(query.shape, query)
     lse = _new_output(_lse_shape(query, varlen), query, torch.float32)
     bias_type, lut, slopes, stride_lut_h, max_dist = _bias_args(bias_lut, alibi_slopes, query)
+    band, stride_band_h, band_tiles = _band_args(lut, bias_type, max_dist, scale, query)
     mask = key_mask if key_mask is not None else _placeholder(query.device, torch.float32)
     cu_q = cu_seqlens_q if varlen else _placeholder(query.device, torch.int32)
     cu_k = cu_seqlens_k if varlen else cu_q
     seed, threshold, dropout_scale, dropout = _dropout_args(dropout_p, dropout_seed, query)
-    block_m, block_n, warps, stages = _blocks(query.shape[-1], "forward", query.device)
+    # TMA's wide key tiles need the near band's registers that band tiles free (and sequences whole tiles long).
+    tma_blocks = _tma_blocks(key, value, (bias_type != BIAS_LUT or band_tiles) and not varlen, dropout)
+    block_m, block_n, warps, stages = tma_blocks or _blocks(query.shape[-1], "forward", query.device, dropout)
     grid = (batch * heads, _cdiv(seqlen_q, block_m))
     _forward_kernel[grid](
-        query, key, value, out, lse, lut, slopes, mask, cu_q, cu_k, seed,
+        query, key, value, out, lse, lut, band, slopes, mask, cu_q, cu_k, seed,
         *_layout(query, varlen), *_layout(key, varlen), *_layout(value, varlen), *_layout(out, varlen),
-        *_lse_strides(lse, varlen), stride_lut_h, mask.stride(0),
+        *_lse_strides(lse, varlen), stride_lut_h, stride_band_h, mask.stride(0),
         heads, seqlen_q, seqlen_k, q_offset, scale * LOG2E, threshold, dropout_scale,
         MAX_DIST=max_dist, BIAS_TYPE=bias_type, CAUSAL=causal, HAS_KMASK=key_mask is not None,
         IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], DOT_PRECISION=_dot_precision(query.dtype), DROPOUT=dropout,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, BAND_TILES=band_tiles, TMA=tma_blocks is not None, num_warps=warps,
+        num_stages=stages)
     return out, lse
 
 
@@ -849,32 +1046,44 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     varlen, batch, heads, seqlen_q, seqlen_k = _geometry(query, key, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     # The gradient of a sum() arrives expanded, with stride 0 along the head dim.
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
-    dq, dk, dv = _new_output(query.shape, query), _new_output(key.shape, key), _new_output(value.shape, value)
+    seed, threshold, dropout_scale, dropout = _dropout_args(dropout_p, dropout_seed, query)
+    # fused_backward (where the chip has tiles for it; not causal rows, where with band tiles it spilled 8 bytes under
+    # triton 3.6) adds dQ to an fp32 sum, scaled and cast at the end.
+    fused_blocks = "fused_backward" in VARIANTS and not causal and _blocks(query.shape[-1], "fused", query.device,
+                                                                         dropout, varlen)
+    fused = bool(fused_blocks)
+    dq = torch.zeros(query.shape, dtype=torch.float32, device=query.device) if fused else _new_output(query.shape,
+                                                                                                      query)
+    dk, dv = _new_output(key.shape, key), _new_output(value.shape, value)
     bias_type, lut, slopes, stride_lut_h, max_dist = _bias_args(bias_lut, alibi_slopes, query)
+    band, stride_band_h, band_tiles = _band_args(lut, bias_type, max_dist, scale, query)
     dlut = torch.zeros_like(bias_lut) if bias_lut is not None else query.new_zeros(1, dtype=torch.float32)
     mask = key_mask if key_mask is not None else _placeholder(query.device, torch.float32)
     cu_q = cu_seqlens_q if varlen else _placeholder(query.device, torch.int32)
     cu_k = cu_seqlens_k if varlen else cu_q
-    seed, threshold, dropout_scale, dropout = _dropout_args(dropout_p, dropout_seed, query)
     common = dict(MAX_DIST=max_dist, BIAS_TYPE=bias_type, CAUSAL=causal, HAS_KMASK=key_mask is not None,
                   IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], DOT_PRECISION=_dot_precision(query.dtype),
-                  DROPOUT=dropout)
-    block_m, block_n, warps, stages = _blocks(query.shape[-1], "dkdv", query.device, dropout, varlen)
+                  DROPOUT=dropout, BAND_TILES=band_tiles)
+    block_m, block_n, warps, stages = fused_blocks or _blocks(query.shape[-1], "dkdv", query.device, dropout, varlen)
     delta = _new_output(lse.shape, lse)
     _backward_delta_kernel[(batch * heads, _cdiv(seqlen_q, block_m))](
         out, grad_out, delta, cu_q, *_layout(out, varlen), *_layout(grad_out, varlen), *_lse_strides(lse, varlen),
         heads, seqlen_q, IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], BLOCK_M=block_m, num_warps=warps)
     strides = (*_layout(query, varlen), *_layout(key, varlen), *_layout(value, varlen),
                *_layout(grad_out, varlen))
-    scalars = (*_lse_strides(lse, varlen), stride_lut_h, mask.stride(0), heads, seqlen_q, seqlen_k, q_offset,
-               scale * LOG2E, scale, threshold, dropout_scale)
+    scalars = (*_lse_strides(lse, varlen), stride_lut_h, stride_band_h, mask.stride(0), heads, seqlen_q, seqlen_k,
+               q_offset, scale * LOG2E, scale, threshold, dropout_scale)
+    # Without fused_backward the dK/dV kernel neither reads nor writes dQ and the table gradient: placeholders.
+    fused_outputs = (dq, dlut) if fused else (_placeholder(query.device, torch.float32),) * 2
     _backward_dkdv_kernel[(batch * heads, _cdiv(seqlen_k, block_n))](
-        query, key, value, grad_out, lse, delta, dk, dv, lut, slopes, mask, cu_q, cu_k, seed,
-        *strides, *_layout(dk, varlen), *_layout(dv, varlen), *scalars,
-        **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        query, key, value, grad_out, lse, delta, dk, dv, *fused_outputs, lut, band, slopes, mask, cu_q, cu_k, seed,
+        *strides, *_layout(dk, varlen), *_layout(dv, varlen), *(_layout(dq, varlen) if fused else (0, 0, 0)),
+        *scalars, **common, FUSED=fused, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+    if fused:
+        return dq.mul_(scale * dropout_scale).to(query.dtype), dk, dv, dlut
     block_m, block_n, warps, stages = _blocks(query.shape[-1], "dq", query.device, dropout, varlen)
     _backward_dq_kernel[(batch * heads, _cdiv(seqlen_q, block_m))](
-        query, key, value, grad_out, lse, delta, dq, dlut, lut, slopes, mask, cu_q, cu_k, seed,
+        query, key, value, grad_out, lse, delta, dq, dlut, lut, band, slopes, mask, cu_q, cu_k, seed,
         *strides, *_layout(dq, varlen), *scalars,
         **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     return dq, dk, dv, dlut

@@ -44,8 +44,19 @@ from .reference_fat5 import dense_bias, eager_attention, relative_positions, vis
 logger = logging.getLogger(__name__)
 
 
-def alibi_slopes(num_heads):
-    """ALiBi head slopes (Press et al.), geometric in 2**(-8/n), with the paper's rule for non powers of two."""
+def alibi_slopes(num_heads, device=None):
+    """ALiBi head slopes (Press et al.), geometric in 2**(-8/n), with the paper's rule for non powers of two. On a
+    `device`, a tensor kept per (heads, device) and built in eager mode: a forward copies nothing from the host (a
+    copy a CUDA graph could not capture)."""
+    if device is not None:
+        key = (num_heads, torch.device(device))
+        slopes = _ALIBI_SLOPES.get(key)
+        if slopes is None:
+            with torch.inference_mode(False):
+                slopes = alibi_slopes(num_heads).to(device)
+            if not torch.compiler.is_compiling():
+                _ALIBI_SLOPES[key] = slopes
+        return slopes
     closest = 2 ** math.floor(math.log2(num_heads))
     base = 2.0 ** (-8.0 / closest)
     slopes = [base ** (i + 1) for i in range(closest)]
@@ -55,12 +66,15 @@ def alibi_slopes(num_heads):
     return torch.tensor(slopes, dtype=torch.float32)
 
 
+_ALIBI_SLOPES = {}  # (heads, device) -> alibi_slopes on that device
+
+
 def asymmetric_alibi_bias(num_heads, query_length, key_length, q_offset, device):
     """(1, H, Lq, Lk) dense bias of asymmetric (bidirectional) ALiBi: the heads of the first half see only keys at
     or before their query, those of the second half only keys at or after it (-inf elsewhere), each half with the
     slopes of num_heads / 2 heads. Every query sees its own key, so no row is all -inf."""
     half = num_heads // 2
-    slopes = alibi_slopes(half).repeat(2).to(device)
+    slopes = alibi_slopes(half, device).repeat(2)
     relative = relative_positions(query_length, key_length, q_offset, device)
     bias = -slopes[:, None, None] * relative.abs().to(slopes.dtype)
     looks_back = (torch.arange(num_heads, device=device) < half)[:, None, None]

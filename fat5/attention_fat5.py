@@ -230,7 +230,11 @@ def _sdpa_mask(query, query_length, key_length, options):
         return mask, None
     # An additive finfo.min mask (not a boolean one) keeps fully-masked rows finite on every SDPA backend.
     kept = torch.zeros((), dtype=query.dtype, device=query.device) if mask is None else mask
-    return torch.where(visible, kept, torch.finfo(query.dtype).min), visible.any(dim=-1, keepdim=True)
+    mask = torch.where(visible, kept, torch.finfo(query.dtype).min)
+    # Rows that see no key return zeros; with causality alone every row sees key 0 (q_offset >= 0).
+    if options["key_padding_mask"] is None and options["key_segment_ids"] is None:
+        return mask, None
+    return mask, visible.any(dim=-1, keepdim=True)
 
 
 def _segment_ids(segments):

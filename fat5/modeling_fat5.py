@@ -302,8 +302,8 @@ class FAT5Attention(nn.Module):
                                                  output_attentions=output_attentions)
         attn_output, attn_weights = attention_interface(
             query, key, value, bias_table=bias_table, bidirectional=not self.is_decoder,
-            num_buckets=self.config.relative_attention_num_buckets,
-            max_distance=self.config.relative_attention_max_distance, alibi_slopes=alibi, position_bias=dense_bias,
+            num_buckets=self.relative_attention_num_buckets,
+            max_distance=self.relative_attention_max_distance, alibi_slopes=alibi, position_bias=dense_bias,
             key_padding_mask=key_padding_mask, causal=self.is_decoder and not self.is_cross_attention,
             q_offset=q_offset, scale=self.config.attention_scale, dropout_p=dropout_p, segments=segments,
             forward_cache=position.forward_cache, output_attentions=output_attentions)
@@ -390,7 +390,7 @@ class FAT5Block(GradientCheckpointingLayer):
         own_table = None
         if hasattr(attention, "relative_attention_bias"):
             # Read through the embedding's forward, not `.weight`, so ZeRO-3 gathers it while this block runs.
-            buckets = torch.arange(attention.config.relative_attention_num_buckets, device=hidden_states.device)
+            buckets = torch.arange(attention.relative_attention_num_buckets, device=hidden_states.device)
             bias_table = own_table = attention.relative_attention_bias(buckets)
         # Each sub-layer's residual add, its dropout and the next sub-layer's norm run as one op (the next
         # sub-layer's norm module given the update); the sub-layers' own forwards compute the same in three.

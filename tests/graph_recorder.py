@@ -8,7 +8,7 @@ tensors it reads and writes, and raises `CaptureError` on what a CUDA capture ca
 - a read of a tensor on the host: `.item()`, `.tolist()`, `.cpu()`, `.numpy()`, `bool(tensor)` (a Python branch
   on a tensor's values), `int()`/`float()` of one, `torch.equal`;
 - a shape that depends on the values: `nonzero`, `masked_select`, `unique`, boolean-mask indexing,
-  `repeat_interleave` without `output_size`, `bincount`;
+  `repeat_interleave` by a tensor without `output_size`, `bincount`;
 - a tensor made from Python data in the step (`torch.tensor(...)`): on a GPU a copy from host memory, which a
   capture cannot hold (and which would replay the values it had then).
 
@@ -83,8 +83,8 @@ class _Mode(TorchDispatchMode):
         if name in HOST_DATA:
             raise CaptureError(f"{func}: a tensor made from host data in the step (torch.tensor): on a GPU a copy "
                                "from host memory, which a CUDA capture cannot hold")
-        data_dependent = name in DATA_DEPENDENT or (name == "aten::repeat_interleave"
-                                                    and kwargs.get("output_size") is None)
+        data_dependent = name in DATA_DEPENDENT or (name == "aten::repeat_interleave" and "Tensor" in
+                                                    func._overloadname and kwargs.get("output_size") is None)
         if name in ("aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"):
             indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
             data_dependent |= any(_is_tensor(index) and index.dtype in (torch.bool, torch.uint8)

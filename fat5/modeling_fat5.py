@@ -299,7 +299,8 @@ class FAT5Attention(nn.Module):
 
         dropout_p = self.config.attention_dropout_rate if self.training else 0.0
         attention_interface = attention_function(self.config, query, needs_dense_bias=dense_bias is not None,
-                                                 output_attentions=output_attentions)
+                                                 output_attentions=output_attentions,
+                                                 forward_cache=position.forward_cache)
         attn_output, attn_weights = attention_interface(
             query, key, value, bias_table=bias_table, bidirectional=not self.is_decoder,
             num_buckets=self.relative_attention_num_buckets,
@@ -717,8 +718,7 @@ class FAT5Stack(FAT5PreTrainedModel):
         if kind == "alibi" and config.alibi_mode == "asymmetric":
             dense_bias = asymmetric_alibi_bias(config.num_heads, query_length, key_length, q_offset, device)
         elif kind == "alibi":
-            # This forward's own tensor: the SDPA masks its layers share are keyed by it (attention_fat5).
-            slopes = alibi_slopes(config.num_heads, device).clone()
+            slopes = alibi_slopes(config.num_heads, device)
         elif kind == "fire" and first_attention is not None:
             dense_bias = first_attention.fire(query_length, key_length, q_offset, device, positions)
         elif kind == "rope":

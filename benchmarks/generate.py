@@ -466,16 +466,20 @@ def sweep(reference, batch, expected, args, fat5_tokens, rows, round_=0):
         common.release_memory()
 
 
-def median_round(rows):
-    """Each (implementation, cache, batch, encoder length)'s row of its median round by time (one that did not run:
-    its first round's), with every round's ms."""
+def median_round(rows, clock="wall"):
+    """Each (implementation, cache, batch, encoder length)'s row of its median round by time (`clock` "cpu": by CPU
+    time where rows have it; one that did not run: its first round's), with every round's ms (and cpu_ms)."""
     groups = {}
     for row in rows:
         groups.setdefault((row["implementation"], row["cache"], row["batch"], row["encoder_length"]), []).append(row)
     summary = []
     for same in groups.values():
-        ran = sorted((row for row in same if timed(row)), key=lambda row: row["ms"])
-        summary.append(dict(ran[len(ran) // 2] if ran else same[0], rounds_ms=[row["ms"] for row in same]))
+        ran = sorted((row for row in same if timed(row)),
+                     key=lambda row: row["cpu_ms"] if clock == "cpu" and row.get("cpu_ms") else row["ms"])
+        rounds = dict(rounds_ms=[row["ms"] for row in same])
+        if any(row.get("cpu_ms") for row in same):
+            rounds["rounds_cpu_ms"] = [row.get("cpu_ms") for row in same]
+        summary.append(dict(ran[len(ran) // 2] if ran else same[0], **rounds))
     return summary
 
 
@@ -515,7 +519,7 @@ def main():
         if args.rounds > 1:
             print(f"round {number + 1} of {args.rounds}", flush=True)
         sweep(reference, batch, expected, args, fat5_tokens, rows, number)
-    summary = median_round(rows) if args.rounds > 1 else rows
+    summary = median_round(rows, args.clock) if args.rounds > 1 else rows
     common.report(rows, markdown(summary, args), args, lambda _, options, path: plot(summary, options, path))
     mismatches = [row for row in summary if row["status"].startswith("mismatch")]
     if mismatches:

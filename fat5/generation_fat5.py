@@ -20,7 +20,7 @@ model keeps its own graphs (never shared, never copied or pickled with it, freed
 `config.decode_cuda_graphs` of them, the least recently used evicted first; 0 turns capture off.
 
 Memory: a bucket holds its caches' tensors (2 x decoder layers x batch x heads x d_kv x (cache slots + encoder
-length) x the dtype's bytes: 0.75 GiB at T5-base in bf16, batch 32, encoder 512, 128 new tokens) and a pool for
+length) x the dtype's bytes: 0.70 GiB at T5-base in bf16, batch 32, encoder 512, 128 new tokens) and a pool for
 one step's intermediates (the logits, batch x vocabulary, and a few MiB), both until it is evicted or dropped.
 
 Devices: GRAPH_CLASSES maps a device type to the class that captures on it: CUDA's `CUDAGraphStep`. The tests put
@@ -54,21 +54,22 @@ class CUDAGraphStep:
         is this token's."""
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             result = step()
         current.wait_stream(self.stream)
         return result
 
     def capture(self, step):
         """step() recorded, not run: its outputs are the tensors every replay writes."""
-        with torch.cuda.graph(self.graph, stream=self.stream):
+        with torch.cuda.device(self.device), torch.cuda.graph(self.graph, stream=self.stream):
             before = torch.cuda.memory_reserved(self.device)
             outputs = step()
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
         return outputs
 
     def replay(self):
-        self.graph.replay()
+        with torch.cuda.device(self.device):  # on the model's device's current stream, whichever device is current
+            self.graph.replay()
 
 
 # Device type -> the class that captures a decode step there (tests add "cpu": a recorder).
@@ -262,20 +263,34 @@ def _plain(value):
     return None
 
 
+# What every nn.Module keeps in its __dict__ (parameters, buffers, submodules, hooks): read apart, never compared.
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
+def _own_class(cls):
+    """Whether `cls` is FAT5's (a module of this package, or of its copy in a checkpoint folder) or torch's: modules
+    whose settings are their config's or their construction's. Another class was put in by a tool (PEFT's adapter
+    layers), and its settings are switches a captured step baked in."""
+    return cls.__module__.startswith("torch.") or cls.__module__.rsplit(".", 1)[0] == __name__.rsplit(".", 1)[0]
+
+
 def model_state(model):
-    """What a captured step baked in beyond its inputs: every module (name, class, plain settings such as its mode
-    or an adapter's switches, hooks, a replaced forward), every parameter and buffer (its memory, dtype, device,
-    shape), the config's plain fields and the float32 matmul precision (the kernels read it)."""
+    """What a captured step baked in beyond its inputs: every module (name, class, mode, hooks, a replaced forward,
+    and for a tool's module its plain settings, such as an adapter's switches), every parameter and buffer (its
+    memory, dtype, device, shape), the config's plain fields and the float32 matmul precision (the kernels read
+    it)."""
     state = [torch.get_float32_matmul_precision(),
              tuple(sorted((key, _plain(value)) for key, value in vars(model.config).items()))]
     for name, module in model.named_modules():
-        # Submodules' private settings too (a tool's switch, such as an adapter's); the model's own private ones
-        # are transformers' bookkeeping of its calls.
-        settings = tuple((key, _plain(value)) for key, value in vars(module).items() if name or key[0] != "_")
-        hooks = (len(module._forward_hooks), len(module._forward_pre_hooks), "forward" in vars(module))
-        tensors = tuple((tensor.data_ptr(), tensor.dtype, tensor.device, tuple(tensor.shape))
-                        for tensor in (*module._parameters.values(), *module._buffers.values()) if tensor is not None)
-        state.append((name, type(module), settings, hooks, tensors))
+        entry = [name, type(module), module.training, len(module._forward_hooks), len(module._forward_pre_hooks),
+                 "forward" in vars(module)]
+        if not _own_class(type(module)):
+            entry.append(tuple((key, _plain(value)) for key, value in vars(module).items()
+                               if key not in _MODULE_INTERNALS))
+        for tensor in (*module._parameters.values(), *module._buffers.values()):
+            if tensor is not None:
+                entry.append((tensor.data_ptr(), tensor.dtype, tensor.device, tensor.shape))
+        state.append(tuple(entry))
     return state
 
 

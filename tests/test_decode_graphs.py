@@ -359,3 +359,82 @@ def test_the_demo_pipeline_and_predict_reach_the_captured_step(recorder, tmp_pat
     with open(tmp_path / "out.csv") as file:
         assert [row["prediction"] for row in csv.DictReader(file)] == [text.strip() for text in expected]
     assert len(recorder) > made
+
+
+def test_steps_captured_under_inference_mode_replay_outside_it(recorder):
+    """A step captured under torch.inference_mode (its tensors inference tensors) serves later generations outside
+    it, and the other way round."""
+    model = confident_model()
+    expected = eager_tokens(model)
+    with torch.inference_mode():
+        assert torch.equal(generate(model), expected)
+    assert torch.equal(generate(model), expected)
+    model.release_decode_steps()
+    assert torch.equal(generate(model), expected)
+    with torch.inference_mode():
+        assert torch.equal(generate(model), expected)
+    assert len(recorder) == 2 and replays(recorder) == 2 * (NEW_TOKENS - 2) + 2 * (NEW_TOKENS - 1)
+
+
+def test_the_cuda_capture_calls_torch_as_its_api_says(monkeypatch):
+    """CUDAGraphStep, which only a GPU runs, checked here against torch's own signatures: torch.cuda's functions
+    replaced by fakes that bind every call to the real one's signature and record it. The warm-up runs on the side
+    stream after it waited for the current one (which then waits for it), the capture records on that same side
+    stream, and every call runs under the model's device."""
+    import inspect
+
+    calls = []
+
+    class Context:
+        def __init__(self, name, *args):
+            self.name, self.args = name, args
+
+        def __enter__(self):
+            calls.append(("enter", self.name, *self.args))
+
+        def __exit__(self, *exc):
+            calls.append(("exit", self.name))
+
+    def checked(name, result):
+        real = getattr(torch.cuda, name)
+
+        def fake(*args, **kwargs):
+            inspect.signature(real.__init__ if inspect.isclass(real) else real).bind(
+                *((None,) if inspect.isclass(real) else ()), *args, **kwargs)
+            calls.append((name, *args, *kwargs.values()))
+            return result(*args, **kwargs)
+        monkeypatch.setattr(torch.cuda, name, fake)
+
+    wait_stream = inspect.signature(torch.cuda.Stream.wait_stream)
+
+    class Stream:
+        def wait_stream(self, other):
+            wait_stream.bind(self, other)
+            calls.append(("wait_stream", self, other))
+
+    class Graph:
+        def replay(self):
+            calls.append(("replay",))
+
+    side, current = Stream(), Stream()
+    checked("CUDAGraph", lambda: Graph())
+    checked("Stream", lambda device: side)
+    checked("current_stream", lambda device=None: current)
+    checked("stream", lambda stream: Context("stream", stream))
+    checked("device", lambda device: Context("device", device))
+    checked("graph", lambda cuda_graph, stream=None, **kwargs: Context("graph", stream))
+    checked("memory_reserved", lambda device=None: 1000 * (1 + len(calls)))
+    device = torch.device("cuda", 1)
+    step = generation_fat5.CUDAGraphStep(device)
+    assert step.warm_up(lambda: calls.append("step") or "logits") == "logits"
+    assert step.capture(lambda: calls.append("step") or "graph's logits") == "graph's logits"
+    step.replay()
+    names = [call if isinstance(call, str) else call[:2] for call in calls]
+    assert names == [
+        ("CUDAGraph",), ("Stream", device), ("current_stream", device), ("wait_stream", side),
+        ("device", device), ("enter", "device"), ("stream", side), ("enter", "stream"), "step", ("exit", "stream"),
+        ("exit", "device"), ("wait_stream", current),
+        ("device", device), ("enter", "device"), ("graph", step.graph), ("enter", "graph"), ("memory_reserved", device),
+        "step", ("exit", "graph"), ("exit", "device"), ("memory_reserved", device),
+        ("device", device), ("enter", "device"), ("replay",), ("exit", "device")], names
+    assert ("graph", step.graph, side) in calls and ("stream", side) in calls and step.pool_bytes > 0

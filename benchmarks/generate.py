@@ -1,44 +1,54 @@
 """Generation, FAT5 against transformers' T5, side by side in one process with the same weights.
 
     python benchmarks/generate.py --update-results   # GPU: v1.1-base shape, bf16, encoder 512, 128 new tokens
-    python benchmarks/generate.py --impl fat5,t5_sdpa --caches static+compile --encoder-lengths 512,4096
+    python benchmarks/generate.py --impl fat5,t5_sdpa --caches dynamic,graph --encoder-lengths 512,4096
+    python benchmarks/generate.py --impl t5_sdpa --caches static+compile --batches 1   # a compiling peer alone
     python benchmarks/generate.py --smoke            # CPU: tiny shapes, checks the script end to end
-    python benchmarks/generate.py --allow-cpu --shape d_model=256,num_heads=4,d_ff=1024,num_layers=4 ...
+    python benchmarks/generate.py --allow-cpu --shape d_model=256,num_heads=4,d_ff=1024,num_layers=4 --clock cpu ...
                                                      # CPU at sizes it can run (benchmarks/RESULTS.md)
 
 Greedy decoding of exactly --new-tokens tokens (min_new_tokens = max_new_tokens) after an encoder input of each
 --encoder-lengths, at each batch size. tokens/s counts generated tokens (batch x new tokens), encoder included in
 the time; ms_per_token is the time of a generate call over its new tokens. Caches:
     dynamic          transformers' default DynamicCache, uncompiled
-    static           cache_implementation="static", uncompiled
-    static+compile   the same with the model's forward under torch.compile ("reduce-overhead" on CUDA: CUDA
-                     graphs; the row's cuda_graph_skips counts the graphs Inductor did not capture)
-transformers' automatic compilation is disabled so each row is what its name says. Before timing, every model's
-logits are compared with the eager T5's (fp32); each row also records whether its tokens equal FAT5's (dynamic
-cache, eager) for the same inputs. Every row is written to the JSON lines in --out the moment it is measured.
-FAT5 runs as users get it: on CUDA its decode steps run the decode kernel (fat5/kernels/decode_attention_t5.py: a
-static cache's position stays on the device, so "static+compile" replays CUDA graphs), on CPU SDPA.
+    static           cache_implementation="static", uncompiled (FAT5's captured step off)
+    graph            FAT5 only: the static cache with FAT5's captured decode step (fat5/generation_fat5.py: on
+                     CUDA each decode step after the first replays a CUDA graph; on CPU nothing is captured);
+                     the row's captured_steps and graph_mib say what it holds
+    static+compile   the static cache with the model's forward under torch.compile ("reduce-overhead" on CUDA:
+                     CUDA graphs; the row's cuda_graph_skips counts the graphs Inductor did not capture)
+transformers' automatic compilation is disabled so each row is what its name says. Each (implementation, cache,
+encoder length, batch) starts with its own first generate call, timed on its own: first_call_s, and first_token_s,
+the time from that call to its second new token (the first a decode step makes: the prefill's token is eager in
+every row, the next step is where a compile or a capture happens), then the timed calls (--warmup counts the first
+call). Before timing, every model's logits are compared with the eager T5's (fp32); each row also records whether
+its tokens equal FAT5's (dynamic cache, eager) for the same inputs. Every row is written to the JSON lines in --out
+the moment it is measured. FAT5 runs as users get it: on CUDA its decode steps run the decode kernel
+(fat5/kernels/decode_attention_t5.py: a static cache's position stays on the device), on CPU SDPA.
 
+On CPU each row also has cpu_ms, the process's CPU time per generate call (the median, as ms), which the other jobs
+of a shared machine change much less than wall time; `--clock cpu` computes tokens/s and the table from it.
 `--impl ...,ct2_fp32,ct2_int8` adds CTranslate2 (`pip install ctranslate2`), the engine a CPU user would pick: FAT5's
 model exported by convert/ct2_fat5.py, run by `ctranslate2.Translator` with float32 or int8 compute, greedy,
 exactly --new-tokens tokens, with its own cache (rows with cache "own"; the table's `best` rows compare it).
 `--rounds N` runs the whole comparison N times, every other round in reverse order; the table keeps each row's
 median round (every round's rows are in the JSON lines).
 
-`--profile` times nothing: for each implementation, cache and batch, after one warm-up call (which compiles), one
-generate call runs under torch.profiler; `generate_profile_<device>_<date>.txt` in --out gets its key_averages
-table (the top 30 ops by self CPU time) and a row per call goes to the JSON lines: CUDA kernels run, kernel
-launches, device-to-host copies and synchronizations, and tensor-to-Python reads (aten::_local_scalar_dense), in
-all and per generated token (the encoder pass included), with the host's self CPU time. This is what explains a
-generation step's host time.
+`--profile` times nothing: for each implementation, cache and batch, after one warm-up call (which captures or
+compiles), one generate call runs under torch.profiler; `generate_profile_<device>_<date>.txt` in --out gets its
+key_averages table (every op the call ran, with its count and self CPU time, by self CPU time) and a row per call
+goes to the JSON lines: CUDA kernels run, kernel launches, device-to-host copies and synchronizations, and
+tensor-to-Python reads (aten::_local_scalar_dense), in all and per generated token (the encoder pass included),
+with the host's self CPU time. This is what explains a generation step's host time.
 """
 
+import time
 
 import torch
 
 import common
 
-CACHES = ("dynamic", "static", "static+compile")
+CACHES = ("dynamic", "static", "graph", "static+compile")
 DEFAULT_IMPL = "fat5,t5_eager,t5_sdpa,t5_flex"
 # CTranslate2 runs of FAT5's export: their compute type.
 CT2 = {"ct2_fp32": "float32", "ct2_int8": "int8"}
@@ -67,33 +77,87 @@ def cuda_graph_skips():
     return counters["inductor"]["cudagraph_skips"]
 
 
+class TokenTimes:
+    """A generate() streamer (transformers' BaseStreamer interface) that records when each put arrives: the decoder
+    start, then every new token, each copied to the host by generate, so its time is when the token exists."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def first_call(model, options):
+    """(first_token_s, first_call_s, tokens) of a bucket's first generate call: seconds from the call to its second
+    new token (the first a decode step makes, the step that compiles or captures), and to its end."""
+    streamer = TokenTimes()
+    common.synchronize()
+    started = time.perf_counter()
+    tokens = model.generate(**options, streamer=streamer)
+    common.synchronize()
+    ended = time.perf_counter()
+    second = streamer.times[2] - started if len(streamer.times) > 2 else None
+    return (None if second is None else round(second, 3)), round(ended - started, 3), tokens
+
+
+def caches_of(name, args):
+    """The caches `name` runs: the captured step ("graph") is FAT5's own."""
+    return [cache for cache in args.caches if cache != "graph" or name == "fat5"]
+
+
+def new_row(name, cache, batch, encoder_length, args, status, round_):
+    return dict(implementation=name, cache=cache, batch=batch, encoder_length=encoder_length,
+                new_tokens=args.new_tokens, tokens_per_s=None, ms=None, ms_per_token=None, cpu_ms=None, peak_mib=None,
+                first_token_s=None, first_call_s=None, same_tokens_as_fat5=None, cuda_graph_skips=None,
+                captured_steps=None, graph_mib=None, status=status, round=round_)
+
+
 def generate_rows(name, model, args, fat5_tokens, rows, status, round_=0):
-    """Append to `rows` one row per (encoder length, cache, batch): generated tokens/s, ms per generate call and per
-    new token, peak MiB, agreement with FAT5's tokens, status."""
+    """Append to `rows` one row per (cache, encoder length, batch): generated tokens/s, ms per generate call and per
+    new token, the first call's times, peak MiB, agreement with FAT5's tokens, status."""
     device = common.device()
     model.to(device=device, dtype=getattr(torch, args.dtype)).eval()
     eager_forward = model.forward
-    for cache in args.caches:
+    graphs = getattr(model.config, "decode_cuda_graphs", None)
+    for cache in caches_of(name, args):
         if cache == "static+compile":
             mode = "reduce-overhead" if device == "cuda" else None
             model.forward = torch.compile(eager_forward, mode=mode, dynamic=False)
+        if graphs is not None:  # FAT5: its captured step in the "graph" rows only
+            model.config.decode_cuda_graphs = max(graphs, 1) if cache == "graph" else 0
         for encoder_length in args.encoder_lengths:
             for batch in args.batches:
                 options = generate_options(batch, encoder_length, cache, args, device)
-                row = dict(implementation=name, cache=cache, batch=batch, encoder_length=encoder_length,
-                           new_tokens=args.new_tokens, tokens_per_s=None, ms=None, ms_per_token=None, peak_mib=None,
-                           same_tokens_as_fat5=None, cuda_graph_skips=None, status=status, round=round_)
+                row = new_row(name, cache, batch, encoder_length, args, status, round_)
                 skips = cuda_graph_skips()
                 try:
-                    outputs = []
+                    outputs, cpu = [], []
+
+                    def call():
+                        started = time.process_time()
+                        outputs.append(model.generate(**options))
+                        cpu.append(time.process_time() - started)
+
                     with torch.no_grad(), common.peak_memory() as peak:
-                        ms = common.time_ms(lambda: outputs.append(model.generate(**options)), args.reps,
-                                            args.warmup, args.max_seconds)
-                    tokens = outputs[-1]
-                    row.update(ms=round(ms, 3), tokens_per_s=round(batch * args.new_tokens / ms * 1e3, 1),
-                               ms_per_token=round(ms / args.new_tokens, 3), peak_mib=peak["mib"])
+                        first_token_s, first_call_s, tokens = first_call(model, options)
+                        ms = common.time_ms(call, args.reps, max(args.warmup - 1, 0), args.max_seconds)
+                    if device == "cpu":
+                        row["cpu_ms"] = round(sorted(cpu)[len(cpu) // 2] * 1e3, 3)
+                    clock = row["cpu_ms"] if args.clock == "cpu" and row["cpu_ms"] else ms
+                    row.update(ms=round(ms, 3), tokens_per_s=round(batch * args.new_tokens / clock * 1e3, 1),
+                               ms_per_token=round(clock / args.new_tokens, 3), peak_mib=peak["mib"],
+                               first_token_s=first_token_s, first_call_s=first_call_s)
                     if cache == "static+compile" and device == "cuda" and skips is not None:
                         row["cuda_graph_skips"] = cuda_graph_skips() - skips
+                    if cache == "graph":
+                        steps = model.captured_decode_steps()
+                        row.update(captured_steps=len(steps), graph_mib=round(sum(
+                            step["cache_mib"] + step["pool_mib"] for step in steps), 1))
+                    tokens = outputs[-1] if outputs else tokens
                     key = (encoder_length, batch)
                     if name == "fat5" and cache == "dynamic":
                         fat5_tokens[key] = tokens
@@ -105,11 +169,15 @@ def generate_rows(name, model, args, fat5_tokens, rows, status, round_=0):
                     row["status"] = common.error_status(error)
                 rows.append(row)
                 common.release_memory()
-                speed = f"{row['tokens_per_s']:.0f} tok/s {row['ms_per_token']:.2f} ms/token peak " \
-                    f"{row['peak_mib']} MiB same tokens as fat5: {row['same_tokens_as_fat5']}" if timed(row) else ""
+                speed = f"{row['tokens_per_s']:.0f} tok/s {row['ms_per_token']:.2f} ms/token first token " \
+                    f"{row['first_token_s']} s peak {row['peak_mib']} MiB same tokens as fat5: " \
+                    f"{row['same_tokens_as_fat5']}" if timed(row) else ""
                 print(f"  {name:10s} {cache:15s} encoder={encoder_length:<5d} batch={batch:<4d} {speed} "
                       f"{row['status']}", flush=True)
     model.forward = eager_forward
+    if graphs is not None:
+        model.config.decode_cuda_graphs = graphs
+        model.release_decode_steps()
 
 
 SYNCHRONIZATIONS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuStreamSynchronize",
@@ -140,7 +208,10 @@ def profile_rows(name, model, args, rows, report):
     device = common.device()
     model.to(device=device, dtype=getattr(torch, args.dtype)).eval()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    for cache in args.caches:
+    graphs = getattr(model.config, "decode_cuda_graphs", None)
+    for cache in caches_of(name, args):
+        if graphs is not None:
+            model.config.decode_cuda_graphs = max(graphs, 1) if cache == "graph" else 0
         for encoder_length in args.encoder_lengths:
             for batch in args.batches:
                 options = generate_options(batch, encoder_length, cache, args, device)
@@ -148,7 +219,7 @@ def profile_rows(name, model, args, rows, report):
                            new_tokens=args.new_tokens, status="ok")
                 try:
                     with torch.no_grad():
-                        model.generate(**options)  # compiles what compiles
+                        model.generate(**options)  # captures what captures
                         common.synchronize()
                         with profile(activities=activities) as profiler:
                             model.generate(**options)
@@ -161,7 +232,7 @@ def profile_rows(name, model, args, rows, report):
                     report(f"## {name}, {cache} cache, batch {batch}, encoder {encoder_length}, {args.new_tokens} new "
                            f"tokens\n\n" + "\n".join(f"{key}: {row[key]}" for key in row if key.endswith(
                                ("_per_token", "self_cpu_ms"))) + "\n\n"
-                           + averages.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+                           + averages.table(sort_by="self_cpu_time_total", row_limit=-1) + "\n")
                 except Exception as error:  # a cache or peer that cannot run here: a row, not a crash
                     row["status"] = common.error_status(error)
                 rows.append(row)
@@ -169,6 +240,9 @@ def profile_rows(name, model, args, rows, report):
                 counts = " ".join(f"{key[:-10]} {row[key]}" for key in row if key.endswith("_per_token"))
                 print(f"  {name:10s} {cache:15s} encoder={encoder_length:<5d} batch={batch:<4d} per token: {counts} "
                       f"{row['status']}", flush=True)
+    if graphs is not None:
+        model.config.decode_cuda_graphs = graphs
+        model.release_decode_steps()
 
 
 def generate_options(batch, encoder_length, cache, args, device):
@@ -211,9 +285,7 @@ def ct2_rows(names, reference, args, fat5_tokens, rows, round_=0):
     import tempfile
     from pathlib import Path
 
-    pending = [dict(implementation=name, cache="own", batch=batch, encoder_length=length, new_tokens=args.new_tokens,
-                    tokens_per_s=None, ms=None, ms_per_token=None, peak_mib=None, same_tokens_as_fat5=None,
-                    cuda_graph_skips=None, status="ok", round=round_)
+    pending = [new_row(name, "own", batch, length, args, "ok", round_)
                for name in names for length in args.encoder_lengths for batch in args.batches]
     with tempfile.TemporaryDirectory(prefix="generate_ct2_") as folder:
         try:
@@ -264,14 +336,23 @@ def best(rows, batch, prefix, cache=None, encoder_length=None):
     return max(values) if values else None
 
 
+def speed_cell(row):
+    """tokens/s, `*` when its tokens differ from FAT5's, then (first_token_s) when measured."""
+    mark = "*" if row["status"].startswith("mismatch") else ""
+    first = f" ({row['first_token_s']:.3g} s)" if row.get("first_token_s") is not None else ""
+    return f"{row['tokens_per_s']:.4g}{mark}{first}"
+
+
 def markdown(rows, args):
     ct2 = any(name in CT2 for name in args.impl)
+    clock = " from the process's CPU time" if args.clock == "cpu" else ""
     lines = common.markdown_head(
         "Generation",
         f"shape {args.shape}; {args.dtype} weights; {args.new_tokens} new tokens, greedy. Cells: generated "
-        "tokens/s (`*`: mismatch, its tokens differ from FAT5's; the row's status in the JSON says where). Ratio: "
-        "FAT5 over the best transformers T5 with the same cache; the `best` rows compare each side's best cache"
-        + (" (and FAT5's best with CTranslate2's)." if ct2 else "."),
+        f"tokens/s{clock} (`*`: mismatch, its tokens differ from FAT5's; the row's status in the JSON says where), "
+        "then in brackets first_token_s, the seconds from the first call to its second token (a capture or a compile "
+        "included). Ratio: FAT5 over the best transformers T5 with the same cache; the `best` rows compare each "
+        "side's best cache" + (" (and FAT5's best with CTranslate2's)." if ct2 else "."),
         ["encoder", "batch", "cache", *args.impl, "fat5 / best T5", *(["fat5 / best ct2"] if ct2 else [])])
     for length in args.encoder_lengths:
         for batch in args.batches:
@@ -280,9 +361,7 @@ def markdown(rows, args):
                 for name in args.impl:
                     row = next((r for r in rows if (r["implementation"], r["cache"], r["batch"], r["encoder_length"])
                                 == (name, cache, batch, length)), None)
-                    mark = "*" if row and row["status"].startswith("mismatch") else ""
-                    cells.append("-" if row is None else f"{row['tokens_per_s']:.4g}{mark}" if timed(row)
-                                 else row["status"].split(":")[0])
+                    cells.append("-" if row is None else speed_cell(row) if timed(row) else row["status"].split(":")[0])
                 speed = common.ratio(best(rows, batch, "fat5", cache, length), best(rows, batch, "t5_", cache, length))
                 lines.append(f"| {length} | {batch} | {cache} | " + " | ".join(cells) + f" | {speed} |"
                              + (" - |" if ct2 else ""))
@@ -330,6 +409,9 @@ def build_parser():
                         help="times the whole comparison runs, every other round in reverse order (FAT5 last); "
                              "the table keeps each row's median round, so that a shared machine's changing load "
                              "does not favour whichever implementation ran when it was lightest")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="what tokens/s and the table are computed from: wall time, or (CPU only) the process's "
+                             "CPU time, which the other jobs of a shared machine change much less")
     parser.add_argument("--profile", action="store_true",
                         help="time nothing: profile one generate call of each implementation, cache and batch "
                              "(torch.profiler: the top ops by self CPU time, kernel launches and syncs per token)")
@@ -349,7 +431,7 @@ def parse_args():
         if args.impl == DEFAULT_IMPL:
             args.impl = "fat5,t5_eager,t5_sdpa"
         if args.caches == ",".join(CACHES):
-            args.caches = "dynamic,static"
+            args.caches = "dynamic,static,graph"
     args.shape = common.parse_shape(args.shape, base)
     args.impl = [name.strip() for name in args.impl.split(",")]
     args.caches = [cache.strip() for cache in args.caches.split(",")]
@@ -359,7 +441,7 @@ def parse_args():
         parser.error(f"unknown --impl or --caches {unknown}; implementations: fat5, "
                      f"{', '.join(common.T5_ATTENTION)}, {', '.join(CT2)}; caches: {', '.join(CACHES)}")
     if args.profile and "static+compile" in args.caches:
-        parser.error("--profile profiles eager generation: --caches dynamic and/or static")
+        parser.error("--profile profiles generation without torch.compile: --caches dynamic, static and/or graph")
     if "fat5" in args.impl:
         args.impl.remove("fat5")
         args.impl.insert(0, "fat5")  # first, so the others can be compared with its tokens
@@ -378,24 +460,26 @@ def sweep(reference, batch, expected, args, fat5_tokens, rows, round_=0):
         if model is not None:
             generate_rows(name, model, args, fat5_tokens, rows, status, round_)
         else:
-            rows.extend(dict(implementation=name, cache=cache, batch=size, encoder_length=length,
-                             new_tokens=args.new_tokens, tokens_per_s=None, ms=None, ms_per_token=None, peak_mib=None,
-                             same_tokens_as_fat5=None, cuda_graph_skips=None, status=status, round=round_)
-                        for cache in args.caches for length in args.encoder_lengths for size in args.batches)
+            rows.extend(new_row(name, cache, size, length, args, status, round_) for cache in caches_of(name, args)
+                        for length in args.encoder_lengths for size in args.batches)
         del model
         common.release_memory()
 
 
-def median_round(rows):
-    """Each (implementation, cache, batch, encoder length)'s row of its median round by time (one that did not run:
-    its first round's), with every round's ms."""
+def median_round(rows, clock="wall"):
+    """Each (implementation, cache, batch, encoder length)'s row of its median round by time (`clock` "cpu": by CPU
+    time where rows have it; one that did not run: its first round's), with every round's ms (and cpu_ms)."""
     groups = {}
     for row in rows:
         groups.setdefault((row["implementation"], row["cache"], row["batch"], row["encoder_length"]), []).append(row)
     summary = []
     for same in groups.values():
-        ran = sorted((row for row in same if timed(row)), key=lambda row: row["ms"])
-        summary.append(dict(ran[len(ran) // 2] if ran else same[0], rounds_ms=[row["ms"] for row in same]))
+        ran = sorted((row for row in same if timed(row)),
+                     key=lambda row: row["cpu_ms"] if clock == "cpu" and row.get("cpu_ms") else row["ms"])
+        rounds = dict(rounds_ms=[row["ms"] for row in same])
+        if any(row.get("cpu_ms") for row in same):
+            rounds["rounds_cpu_ms"] = [row.get("cpu_ms") for row in same]
+        summary.append(dict(ran[len(ran) // 2] if ran else same[0], **rounds))
     return summary
 
 
@@ -435,7 +519,7 @@ def main():
         if args.rounds > 1:
             print(f"round {number + 1} of {args.rounds}", flush=True)
         sweep(reference, batch, expected, args, fat5_tokens, rows, number)
-    summary = median_round(rows) if args.rounds > 1 else rows
+    summary = median_round(rows, args.clock) if args.rounds > 1 else rows
     common.report(rows, markdown(summary, args), args, lambda _, options, path: plot(summary, options, path))
     mismatches = [row for row in summary if row["status"].startswith("mismatch")]
     if mismatches:

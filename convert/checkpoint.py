@@ -47,12 +47,14 @@ RESCALE_BY_WRITER = (
 DERIVED_FIELDS = ("model_type", "architectures", "transformers_version", "auto_map", "custom_pipelines",
                   "_name_or_path", "dtype", "torch_dtype", "is_encoder_decoder", "tie_word_embeddings",
                   "scale_decoder_outputs", "dense_act_fn", "is_gated_act", "is_decoder", "tested_transformers")
-# FAT5 fields a transformers T5 ignores (training, the attention backend, other position encodings' parameters):
-# the way back carries those that differ from FAT5's defaults as extra keys, which transformers keeps.
+# FAT5 fields a transformers T5 ignores (training, the attention backend, captured decode steps, other position
+# encodings' parameters): the way back carries those that differ from FAT5's defaults as extra keys, which
+# transformers keeps.
 FAT5_SETTINGS = ("attention_dropout_rate", "attention_backend", "z_loss", "label_smoothing",
                  "return_logits_in_training", "lm_loss_implementation", "rope_theta", "fire_mlp_width",
                  "fire_init_c", "fire_init_threshold", "alibi_mode", "partial_rotary_factor", "rope_interleaved",
-                 "rope_cross_attention", "rope_rotates_values", "fire_normalizer_offset", "fire_normalizer_eps")
+                 "rope_cross_attention", "rope_rotates_values", "fire_normalizer_offset", "fire_normalizer_eps",
+                 "decode_cuda_graphs")
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 # Copies of shared.weight that T5 and FAT5 state dicts name (their saved files hold shared.weight alone).

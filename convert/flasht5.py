@@ -77,7 +77,7 @@ NOT_CARRIED = ("model_type", "architectures", "transformers_version", "auto_map"
 FAT5_ONLY_FIELDS = ("relative_bias_per_layer", "attention_backend", "rope_theta", "fire_init_c", "fire_init_threshold",
                     "partial_rotary_factor", "rope_interleaved", "rope_cross_attention", "rope_rotates_values",
                     "fire_normalizer_offset", "fire_normalizer_eps", "return_logits_in_training",
-                    "lm_loss_implementation")
+                    "lm_loss_implementation", "decode_cuda_graphs")
 
 
 def refuse(name, value, why):

@@ -44,8 +44,19 @@ from .reference_fat5 import dense_bias, eager_attention, relative_positions, vis
 logger = logging.getLogger(__name__)
 
 
-def alibi_slopes(num_heads):
-    """ALiBi head slopes (Press et al.), geometric in 2**(-8/n), with the paper's rule for non powers of two."""
+def alibi_slopes(num_heads, device=None):
+    """ALiBi head slopes (Press et al.), geometric in 2**(-8/n), with the paper's rule for non powers of two. On a
+    `device`, a tensor kept per (heads, device) and built in eager mode: a forward copies nothing from the host (a
+    copy a CUDA graph could not capture)."""
+    if device is not None:
+        key = (num_heads, torch.device(device))
+        slopes = _ALIBI_SLOPES.get(key)
+        if slopes is None:
+            with torch.inference_mode(False):
+                slopes = alibi_slopes(num_heads).to(device)
+            if not torch.compiler.is_compiling():
+                _ALIBI_SLOPES[key] = slopes
+        return slopes
     closest = 2 ** math.floor(math.log2(num_heads))
     base = 2.0 ** (-8.0 / closest)
     slopes = [base ** (i + 1) for i in range(closest)]
@@ -55,12 +66,15 @@ def alibi_slopes(num_heads):
     return torch.tensor(slopes, dtype=torch.float32)
 
 
+_ALIBI_SLOPES = {}  # (heads, device) -> alibi_slopes on that device
+
+
 def asymmetric_alibi_bias(num_heads, query_length, key_length, q_offset, device):
     """(1, H, Lq, Lk) dense bias of asymmetric (bidirectional) ALiBi: the heads of the first half see only keys at
     or before their query, those of the second half only keys at or after it (-inf elsewhere), each half with the
     slopes of num_heads / 2 heads. Every query sees its own key, so no row is all -inf."""
     half = num_heads // 2
-    slopes = alibi_slopes(half).repeat(2).to(device)
+    slopes = alibi_slopes(half, device).repeat(2)
     relative = relative_positions(query_length, key_length, q_offset, device)
     bias = -slopes[:, None, None] * relative.abs().to(slopes.dtype)
     looks_back = (torch.arange(num_heads, device=device) < half)[:, None, None]
@@ -150,8 +164,9 @@ class PositionInputs:
 
 def sdpa_attention(query, key, value, *, bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
                    alibi_slopes=None, position_bias=None, key_padding_mask=None, causal=False, q_offset=0,
-                   scale=1.0, dropout_p=0.0, query_segment_ids=None, key_segment_ids=None):
-    """torch SDPA. Without a bias it keeps a boolean mask (or is_causal), so flash/efficient kernels apply."""
+                   scale=1.0, dropout_p=0.0, query_segment_ids=None, key_segment_ids=None, forward_cache=None):
+    """torch SDPA. Without a bias it keeps a boolean mask (or is_causal), so flash/efficient kernels apply.
+    `forward_cache`: the stack forward's list (`PositionInputs.forward_cache`) where its layers share their masks."""
     query_length, key_length = query.shape[-2], key.shape[-2]
     # q_offset is a tensor when it comes from a static cache: no is_causal shortcut then.
     use_is_causal = causal and bias_table is None and alibi_slopes is None and position_bias is None \
@@ -161,7 +176,8 @@ def sdpa_attention(query, key, value, *, bias_table=None, bidirectional=True, nu
                    max_distance=max_distance, alibi_slopes=alibi_slopes, position_bias=position_bias,
                    key_padding_mask=key_padding_mask, causal=causal, q_offset=q_offset,
                    query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids)
-    mask, seen = (None, None) if use_is_causal else _shared_sdpa_mask(query, query_length, key_length, options)
+    mask, seen = (None, None) if use_is_causal else _shared_sdpa_mask(query, query_length, key_length, options,
+                                                                        forward_cache)
     output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout_p,
                                             is_causal=use_is_causal, scale=scale)
     return output if seen is None else output * seen
@@ -173,18 +189,29 @@ def sdpa_attention(query, key, value, *, bias_table=None, bidirectional=True, nu
 _SDPA_MASKS = WeakTensorKeyDictionary()
 
 
-def _shared_sdpa_mask(query, query_length, key_length, options):
+def _shared_sdpa_mask(query, query_length, key_length, options, forward_cache=None):
     """`_sdpa_mask`, built once per (owner, arguments) where that is exact: outside autograd and compilation, never
-    keyed by a weight (which lives on), without a dense bias or segments. Tensors are matched by identity and
-    version (an in-place change misses), each but the owner kept alive by its entry so that its id is not reused
-    meanwhile (holding the owner would keep the entry forever)."""
+    keyed by a weight (which lives on), without a dense bias or segments. Within a stack forward (`forward_cache`)
+    its layers' calls, which differ only by their owner (a table of their own, or the cross-attention's key mask),
+    share it by the identities of the owner, the key mask and the position; called on its own, tensors are matched
+    by identity and version (an in-place change misses), each but the owner kept alive by its entry so that its id
+    is not reused meanwhile (holding the owner would keep the entry forever)."""
     owner = options["bias_table"] if options["bias_table"] is not None else options["alibi_slopes"]
     if owner is None and not options["causal"]:
         owner = options["key_padding_mask"]
-    if owner is None or isinstance(owner, torch.nn.Parameter) or options["position_bias"] is not None \
-            or options["query_segment_ids"] is not None or torch.compiler.is_compiling() \
-            or (torch.is_grad_enabled() and owner.requires_grad):
+    if owner is None or options["position_bias"] is not None or options["query_segment_ids"] is not None \
+            or torch.compiler.is_compiling() or (torch.is_grad_enabled() and owner.requires_grad) \
+            or (forward_cache is None and isinstance(owner, torch.nn.Parameter)):
         return _sdpa_mask(query, query_length, key_length, options)
+    if forward_cache is not None:
+        wanted = (query_length, key_length, query.dtype, options["causal"], id(options["key_padding_mask"]),
+                  id(options["q_offset"]))
+        for build, tensor, key, mask in forward_cache:
+            if build is _sdpa_mask and tensor is owner and key == wanted:
+                return mask
+        mask = _sdpa_mask(query, query_length, key_length, options)
+        forward_cache.append((_sdpa_mask, owner, wanted, mask))
+        return mask
     tensors = [value for value in options.values() if torch.is_tensor(value) and value is not owner]
     key = (query_length, key_length, query.dtype, query.device,
            *((id(value), _version(value)) if torch.is_tensor(value) else value for value in options.values()))
@@ -216,7 +243,11 @@ def _sdpa_mask(query, query_length, key_length, options):
         return mask, None
     # An additive finfo.min mask (not a boolean one) keeps fully-masked rows finite on every SDPA backend.
     kept = torch.zeros((), dtype=query.dtype, device=query.device) if mask is None else mask
-    return torch.where(visible, kept, torch.finfo(query.dtype).min), visible.any(dim=-1, keepdim=True)
+    mask = torch.where(visible, kept, torch.finfo(query.dtype).min)
+    # Rows that see no key return zeros; with causality alone every row sees key 0 (q_offset >= 0).
+    if options["key_padding_mask"] is None and options["key_segment_ids"] is None:
+        return mask, None
+    return mask, visible.any(dim=-1, keepdim=True)
 
 
 def _segment_ids(segments):
@@ -233,7 +264,7 @@ def eager_attention_forward(query, key, value, *, segments=None, output_attentio
 
 def sdpa_attention_forward(query, key, value, *, segments=None, output_attentions=False, forward_cache=None,
                            **kwargs):
-    return sdpa_attention(query, key, value, **_segment_ids(segments), **kwargs), None
+    return sdpa_attention(query, key, value, **_segment_ids(segments), forward_cache=forward_cache, **kwargs), None
 
 
 def triton_attention_forward(query, key, value, *, segments=None, output_attentions=False, position_bias=None,
@@ -539,10 +570,18 @@ def _backend_with_weights(config):
     return "eager"
 
 
-def attention_function(config, query, *, needs_dense_bias, output_attentions=False):
+def attention_function(config, query, *, needs_dense_bias, output_attentions=False, forward_cache=None):
     """The function of `ATTENTION_FUNCTIONS` that computes this call's attention (the kernel guarded by
-    `guarded_triton_attention_forward`)."""
-    backend = select_attention_backend(config, query.device, query.shape[-1], needs_dense_bias)
+    `guarded_triton_attention_forward`). Given the stack forward's `forward_cache`, chosen once for its layers (a
+    config field read costs microseconds on transformers 5, a few of them per call of every layer)."""
+    if forward_cache is not None:
+        return forward_cached(forward_cache, _attention_function, config, query.device, query.shape[-1],
+                              needs_dense_bias, bool(output_attentions))
+    return _attention_function(config, query.device, query.shape[-1], needs_dense_bias, output_attentions)
+
+
+def _attention_function(config, device, head_dim, needs_dense_bias, output_attentions):
+    backend = select_attention_backend(config, device, head_dim, needs_dense_bias)
     if output_attentions:
         backend = _backend_with_weights(config)  # only the eager reference materialises the probabilities
     if backend == "triton":

@@ -50,7 +50,8 @@ _RULES = (
     (("attention_dropout_rate",), lambda value: value is None or (_number(value) and 0 <= value < 1),
      "a number in [0, 1), or null for dropout_rate's value"),
     (("partial_rotary_factor",), lambda value: _number(value) and 0 < value <= 1, "a number in (0, 1]"),
-    (("fire_normalizer_offset",), lambda value: _integer(value) and value >= 0, "a non-negative integer"),
+    (("fire_normalizer_offset", "decode_cuda_graphs"), lambda value: _integer(value) and value >= 0,
+     "a non-negative integer"),
     (("layer_norm_epsilon", "initializer_factor", "attention_scale", "rope_theta", "fire_init_c",
       "fire_init_threshold"), lambda value: _number(value) and value > 0, "a finite number > 0"),
     (("z_loss", "fire_normalizer_eps"), lambda value: _number(value) and value >= 0, "a finite number >= 0"),
@@ -125,6 +126,11 @@ class FAT5Config(PicklesWithItsCode, PretrainedConfig):
     lm_loss_implementation (`str`, defaults to `"chunked"`):
         `"chunked"`: FAT5's chunked linear cross-entropy (any device). `"liger"`: liger-kernel's fused linear
         cross-entropy (CUDA only, `pip install fat5[liger]`).
+    decode_cuda_graphs (`int`, defaults to 2):
+        On CUDA, generation with a static cache (`cache_implementation="static"`) replays its decode step from a
+        CUDA graph captured on the first step of each (batch, cache length, encoder length): at most this many
+        are kept per model, the least recently used dropped first (each holds its caches' memory). 0 turns the
+        captured step off (`generation_fat5.py`).
     """
 
     model_type = "fat5"
@@ -175,6 +181,7 @@ class FAT5Config(PicklesWithItsCode, PretrainedConfig):
         label_smoothing=0.0,
         return_logits_in_training=False,
         lm_loss_implementation="chunked",
+        decode_cuda_graphs=2,
         is_encoder_decoder=True,
         use_cache=True,
         pad_token_id=0,
@@ -217,6 +224,7 @@ class FAT5Config(PicklesWithItsCode, PretrainedConfig):
         self.label_smoothing = label_smoothing
         self.return_logits_in_training = return_logits_in_training
         self.lm_loss_implementation = lm_loss_implementation
+        self.decode_cuda_graphs = decode_cuda_graphs
         self.use_cache = use_cache
         # T5 starts decoding from the pad token.
         decoder_start_token_id = pad_token_id if decoder_start_token_id is None else decoder_start_token_id

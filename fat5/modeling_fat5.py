@@ -50,6 +50,7 @@ from .compat_fat5 import (
     static_cache_max_length,
 )
 from .configuration_fat5 import FAT5Config
+from .generation_fat5 import DecodeGraphs, is_decode_step_to_replay, uncapturable
 from .kernels.feed_forward import ACTIVATIONS, feed_forward_act
 from .kernels.residual_rms_norm import residual_rms_norm
 from .loss_fat5 import linear_cross_entropy, seq2seq_lm_loss
@@ -298,11 +299,12 @@ class FAT5Attention(nn.Module):
 
         dropout_p = self.config.attention_dropout_rate if self.training else 0.0
         attention_interface = attention_function(self.config, query, needs_dense_bias=dense_bias is not None,
-                                                 output_attentions=output_attentions)
+                                                 output_attentions=output_attentions,
+                                                 forward_cache=position.forward_cache)
         attn_output, attn_weights = attention_interface(
             query, key, value, bias_table=bias_table, bidirectional=not self.is_decoder,
-            num_buckets=self.config.relative_attention_num_buckets,
-            max_distance=self.config.relative_attention_max_distance, alibi_slopes=alibi, position_bias=dense_bias,
+            num_buckets=self.relative_attention_num_buckets,
+            max_distance=self.relative_attention_max_distance, alibi_slopes=alibi, position_bias=dense_bias,
             key_padding_mask=key_padding_mask, causal=self.is_decoder and not self.is_cross_attention,
             q_offset=q_offset, scale=self.config.attention_scale, dropout_p=dropout_p, segments=segments,
             forward_cache=position.forward_cache, output_attentions=output_attentions)
@@ -389,7 +391,7 @@ class FAT5Block(GradientCheckpointingLayer):
         own_table = None
         if hasattr(attention, "relative_attention_bias"):
             # Read through the embedding's forward, not `.weight`, so ZeRO-3 gathers it while this block runs.
-            buckets = torch.arange(attention.config.relative_attention_num_buckets, device=hidden_states.device)
+            buckets = torch.arange(attention.relative_attention_num_buckets, device=hidden_states.device)
             bias_table = own_table = attention.relative_attention_bias(buckets)
         # Each sub-layer's residual add, its dropout and the next sub-layer's norm run as one op (the next
         # sub-layer's norm module given the update); the sub-layers' own forwards compute the same in three.
@@ -716,7 +718,7 @@ class FAT5Stack(FAT5PreTrainedModel):
         if kind == "alibi" and config.alibi_mode == "asymmetric":
             dense_bias = asymmetric_alibi_bias(config.num_heads, query_length, key_length, q_offset, device)
         elif kind == "alibi":
-            slopes = alibi_slopes(config.num_heads).to(device)
+            slopes = alibi_slopes(config.num_heads, device)
         elif kind == "fire" and first_attention is not None:
             dense_bias = first_attention.fire(query_length, key_length, q_offset, device, positions)
         elif kind == "rope":
@@ -999,6 +1001,8 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
         self.model_dim = config.d_model
         self._build_encoder_decoder(config)
         self.lm_head = t5_linear(config.d_model, config.vocab_size, init_std=1.0)
+        # The decode steps captured for generation with a static cache on CUDA (generation_fat5.py).
+        self._decode_graphs = DecodeGraphs()
         self.post_init()
 
     def get_output_embeddings(self):
@@ -1018,13 +1022,27 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
         the loss stays the mean over the batch's label tokens, i.e. the sum of every example's token losses over
         the number of label tokens."""
         check_keywords(self, kwargs)
+        cache = either_cache(cache, past_key_values, self)
+        if labels is None and decoder_inputs_embeds is None and decoder_segment_ids is None \
+                and is_decode_step_to_replay(self, decoder_input_ids, encoder_outputs, cache, use_cache):
+            encoder_states = encoder_outputs[0]
+            logits = self._decode_graphs.step(self, decoder_input_ids, encoder_states, attention_mask, cache,
+                                              uncapturable(self, output_attentions, output_hidden_states,
+                                                           decoder_attention_mask))
+            if logits is not None:
+                encoder = encoder_outputs if isinstance(encoder_outputs, BaseModelOutput) else None
+                return self._output(Seq2SeqLMOutput(
+                    logits=logits, **cache_field(cache), encoder_last_hidden_state=encoder_states,
+                    encoder_hidden_states=getattr(encoder, "hidden_states", None),
+                    encoder_attentions=getattr(encoder, "attentions", None)), return_dict)
+        else:
+            self._decode_graphs.fresh = True
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self._shift_right(labels, decoder_segment_ids)
         encoder_outputs, decoder_outputs = self._encode_and_decode(
-            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs,
-            either_cache(cache, past_key_values, self), inputs_embeds, decoder_inputs_embeds, use_cache,
-            output_hidden_states, output_attentions=output_attentions, segment_ids=segment_ids,
-            decoder_segment_ids=decoder_segment_ids)
+            input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, encoder_outputs, cache,
+            inputs_embeds, decoder_inputs_embeds, use_cache, output_hidden_states,
+            output_attentions=output_attentions, segment_ids=segment_ids, decoder_segment_ids=decoder_segment_ids)
         sequence_output = decoder_outputs.last_hidden_state
         if self.config.scale_decoder_outputs:
             # T5 v1.0 ties the LM head to the input embedding and rescales before it.
@@ -1050,6 +1068,35 @@ class FAT5ForConditionalGeneration(FAT5EncoderDecoderMixin, FAT5PreTrainedModel,
             encoder_hidden_states=encoder_outputs.hidden_states,
             encoder_attentions=encoder_outputs.attentions,
         ), return_dict)
+
+    def get_compiled_call(self, compile_config):
+        """What `generate` runs its decode steps with when it would compile them (a static cache on CUDA): FAT5's
+        forward, which replays its captured decode step (generation_fat5.py; seconds to capture, no Inductor), unless
+        the call names a `compile_config` or the captured step is off (`config.decode_cuda_graphs = 0`)."""
+        if compile_config is None and self.config.decode_cuda_graphs:
+            return self.__call__
+        return super().get_compiled_call(compile_config)
+
+    def captured_decode_steps(self):
+        """The decode steps captured for generation (generation_fat5.py), least recently used first: one dict each,
+        its bucket (batch, cache_slots, encoder_length), the memory it holds (cache_mib, pool_mib) and capture_s."""
+        return self._decode_graphs.describe()
+
+    def release_decode_steps(self):
+        """Drop the captured decode steps now (their memory goes back to torch's allocator)."""
+        self._decode_graphs.release()
+
+    def train(self, mode=True):
+        # A captured step is eval mode's (no dropout): training drops them.
+        if mode and "_decode_graphs" in vars(self):
+            self._decode_graphs.release()
+        return super().train(mode)
+
+    def _apply(self, *args, **kwargs):
+        # `.to()`, `.half()`, `.cuda()` and the like move the weights a captured step reads: drop them first.
+        if "_decode_graphs" in vars(self):
+            self._decode_graphs.release()
+        return super()._apply(*args, **kwargs)
 
     def text2text_pipeline(self, tokenizer, **kwargs):
         """This model's text2text-generation pipeline (see `pipeline_fat5.text2text_pipeline`); works where the

@@ -33,8 +33,10 @@ def relative_position_bucket(relative_position, bidirectional=True, num_buckets=
 
 def relative_positions(query_length, key_length, q_offset=0, device=None):
     """(Lq, Lk) matrix of ``key_position - query_position``."""
-    query_position = torch.arange(query_length, device=device)[:, None] + q_offset
     key_position = torch.arange(key_length, device=device)[None, :]
+    if query_length == 1:  # a decode step: one row
+        return key_position - q_offset
+    query_position = torch.arange(query_length, device=device)[:, None] + q_offset
     return key_position - query_position
 
 
@@ -59,6 +61,8 @@ def _table_bias(bias_table, query_length, key_length, bidirectional, num_buckets
     log and divisions cost twice the gather on CPU at L = 4096)."""
     distances = torch.arange(1 - query_length, key_length, device=device) - q_offset
     per_distance = bias_table[relative_position_bucket(distances, bidirectional, num_buckets, max_distance)].t()
+    if query_length == 1:  # a decode step: the distances are its row
+        return per_distance[:, None, :]
     return per_distance[:, relative_positions(query_length, key_length, device=device) + (query_length - 1)]
 
 

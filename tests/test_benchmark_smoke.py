@@ -68,15 +68,20 @@ def test_train_step_smoke_compares_fat5_with_transformers_t5(tmp_path):
 def test_generate_smoke_compares_fat5_with_transformers_t5(tmp_path):
     stdout, rows = run_smoke("generate.py", tmp_path)
     by_key = {(r["implementation"], r["cache"], r["batch"]): r for r in rows}
+    # The captured decode step ("graph") is FAT5's own.
     assert set(by_key) == {(name, cache, batch) for name in ("fat5", "t5_eager", "t5_sdpa")
-                           for cache in ("dynamic", "static") for batch in (1, 2)}
-    for name in ("fat5", "t5_eager"):
-        for cache in ("dynamic", "static"):
-            for batch in (1, 2):
-                row = by_key[(name, cache, batch)]
-                assert row["status"] == "ok" and row["tokens_per_s"] > 0
-                # Same weights, fp32, greedy: every model and cache produces FAT5's dynamic-cache tokens.
-                assert row["same_tokens_as_fat5"] is True
+                           for cache in ("dynamic", "static") for batch in (1, 2)} | {("fat5", "graph", 1),
+                                                                                     ("fat5", "graph", 2)}
+    for name, cache, batch in by_key:
+        row = by_key[(name, cache, batch)]
+        if name == "t5_sdpa":
+            continue
+        assert row["status"] == "ok" and row["tokens_per_s"] > 0
+        # Same weights, fp32, greedy: every model and cache produces FAT5's dynamic-cache tokens.
+        assert row["same_tokens_as_fat5"] is True
+        # The first call on its own: to its second new token, then to its end; on CPU the CPU time too.
+        assert 0 < row["first_token_s"] <= row["first_call_s"] and row["cpu_ms"] > 0
+    assert by_key[("fat5", "graph", 1)]["captured_steps"] == 0  # nothing is captured without CUDA
     # A peer that cannot run here (transformers 4.57 has no SDPA T5) is an error row with its message, not a crash.
     assert all(r["status"] == "ok" or r["status"].startswith("error: ") for r in rows)
     assert {row["encoder_length"] for row in rows} == {16}
@@ -183,7 +188,7 @@ def test_decode_smoke_run_writes_rows(tmp_path):
     pytest.param("gpu_suite.py", ["--call", "2", "--cap", "generate=0"], "--cap 'generate=0': expected STEP=SECONDS "
                  "with STEP one of environment, generate_profile, attention_decode, generate_compiled, tile_sweep, "
                  "compile, attention_dropout, attention_long, train_step_long, attention_decoder_flex, generate_long, "
-                 "train_step_flex", marks=pytest.mark.slow),
+                 "train_step_flex, generate_compiled_32", marks=pytest.mark.slow),
     pytest.param("tile_sweep.py", ["--kernels", "dq,bwd"], "unknown --kernels ['bwd']; choose from forward, dkdv, dq",
                  marks=pytest.mark.slow),
     pytest.param("variant_sweep.py", ["--configs", "default,band_tile@0.1"], "--configs 'band_tile@0.1': unknown "
@@ -365,7 +370,7 @@ def test_gpu_plan_runs_end_to_end_at_smoke_sizes(tmp_path):
         # The interpreter compiles nothing: its first calls less its warm ones were noise, as much as -27 s.
         assert all(row["compile_s"] >= 0 for row in found["compile"][1]), found["compile"][1]
         goals, *tables = (out / f"call{call}-goals.md").read_text().split("\n#### ")
-        assert goals.count("\n| ") == 2 + 15
+        assert goals.count("\n| ") == 2 + 20
         # Each step's rows as a table too (a step killed before its own table loses nothing).
         assert {table.split(" ")[0] for table in tables} >= set(steps) - {"environment", "correctness", "fp32_parity"}
     result = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--goals",
@@ -374,7 +379,7 @@ def test_gpu_plan_runs_end_to_end_at_smoke_sizes(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     goals = result.stdout.split("\n#### ")[0]  # then each step's table
     lines = [line for line in goals.splitlines() if line.startswith("| ")][2:]
-    assert len(lines) == 15 and all(line.endswith(("| met |", "| MISSED |", "| not measured |")) for line in lines)
+    assert len(lines) == 20 and all(line.endswith(("| met |", "| MISSED |", "| not measured |")) for line in lines)
     assert "call 1 fp32_parity ok" in result.stdout and "call 2 train_step_flex ok" in result.stdout
     assert "#### tile_sweep (tile_sweep" in result.stdout
     assert "#### generate_profile (generate_profile)" in result.stdout
@@ -382,7 +387,7 @@ def test_gpu_plan_runs_end_to_end_at_smoke_sizes(tmp_path):
         (profile,) = [member for member in tar.getmembers() if member.name.endswith(".txt")]
         text = tar.extractfile(profile).read().decode()
     assert profile.name.startswith("call2/generate_profile/generate_profile_")
-    assert text.count("\n## fat5, ") == 4 and "Self CPU" in text  # dynamic, static x batch 1, 2 (smoke sizes)
+    assert text.count("\n## fat5, ") == 4 and "Self CPU" in text  # dynamic, graph x batch 1, 2 (smoke sizes)
     assert (BENCHMARKS / "RESULTS.md").read_text() == results_before  # nothing is written into the checkout
 
 

@@ -407,7 +407,7 @@ def build_model(name, reference):
     """A fresh fp32 CPU copy of `reference`'s weights as model `name`: "fat5" (through the converter's config
     and mapping, which is the identity on names) or one of T5_ATTENTION."""
     if name == "fat5":
-        from convert.checkpoint import EMBEDDING_COPIES, UNUSED_SOURCE_TENSORS, fat5_config_from_t5
+        from fat5.convert.checkpoint import EMBEDDING_COPIES, UNUSED_SOURCE_TENSORS, fat5_config_from_t5
         from fat5.modeling_fat5 import FAT5ForConditionalGeneration
 
         config = fat5_config_from_t5(reference.config.to_dict(), lm_head_tied=False)

@@ -13,8 +13,8 @@ import shutil
 import pytest
 from test_pretrain import TINY, write_corpus
 
-from convert import fat5_to_t5, flan_to_fat5, onnx_fat5, refresh_code
-from convert.demo import DEMO_CHECKPOINT
+from fat5.convert import fat5_to_t5, flan_to_fat5, onnx_fat5, refresh_code
+from fat5.convert.demo import DEMO_CHECKPOINT
 from fat5.recipes import predict, train
 from fat5.training import pretrain
 

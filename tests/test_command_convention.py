@@ -9,9 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from convert.demo import DEMO_CHECKPOINT
-from convert.safety import STAGING_MARK
 from fat5.cli import EXIT_INTERRUPTED, EXIT_TERMINATED, run
+from fat5.convert.demo import DEMO_CHECKPOINT
+from fat5.convert.safety import STAGING_MARK
 
 REPO = Path(__file__).resolve().parent.parent
 

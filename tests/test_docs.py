@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 from test_pretrain import TINY
 
-from convert.demo import DEMO_CHECKPOINT
+from fat5.convert.demo import DEMO_CHECKPOINT
 from t5_checkpoints import make_t5_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,8 +18,8 @@ from packaging.utils import canonicalize_name
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.dynamic_module_utils import get_imports
 
-from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
-from convert.flan_to_fat5 import main as convert_main
+from fat5.convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
+from fat5.convert.flan_to_fat5 import main as convert_main
 from fat5.recipes import translation
 from fat5.recipes.runner import fine_tune
 from fat5.remote_code_fat5 import remote_code_files

@@ -13,9 +13,9 @@ import torch
 pytest.importorskip("optimum.exporters.onnx")
 pytest.importorskip("onnxruntime")
 
-from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS  # noqa: E402
-from convert.flan_to_fat5 import main as flan_to_fat5  # noqa: E402
-from convert.onnx_fat5 import main as onnx_fat5  # noqa: E402
+from fat5.convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS  # noqa: E402
+from fat5.convert.flan_to_fat5 import main as flan_to_fat5  # noqa: E402
+from fat5.convert.onnx_fat5 import main as onnx_fat5  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -105,7 +105,7 @@ def write(path, rows):
 def demo_fat5(tmp_path_factory):
     """The bundled demo T5 converted to a FAT5 folder, as the README's quick start does."""
     out = tmp_path_factory.mktemp("demo") / "fat5-demo"
-    subprocess.run([sys.executable, "-m", "convert.flan_to_fat5", str(REPO / "convert" / "demo_t5"), str(out),
+    subprocess.run([sys.executable, "-m", "convert.flan_to_fat5", str(REPO / "fat5" / "convert" / "demo_t5"), str(out),
                     "--no-verify"], cwd=REPO, check=True, capture_output=True)
     return str(out)
 
@@ -237,7 +237,7 @@ def test_packing_trains_the_same_examples_in_fewer_rows_and_says_what_it_saved(d
 
 
 def test_packing_is_refused_in_one_line_where_examples_cannot_be_kept_apart(demo_fat5, data, tmp_path, capsys):
-    t5_folder = str(REPO / "convert" / "demo_t5")  # transformers' T5: no segment ids
+    t5_folder = str(REPO / "fat5" / "convert" / "demo_t5")  # transformers' T5: no segment ids
     recipe, args, _ = RECIPES["translation"](t5_folder, data, str(tmp_path / "t5"))
     line = error_line(capsys, translation.main, [*args, *TRAINER_FLAGS, "--do_train", "--packing"])
     assert line == ("error: --packing needs a FAT5 model, which keeps packed examples apart: "

@@ -13,9 +13,9 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PretrainedConfig
 
 from fat5.cli import CommandError, error_line, write_failures_reported
-from fat5.convert.parity import verify_parity
 from fat5.convert.checkpoint import SAFETENSORS_DTYPES, iter_converted_tensors
 from fat5.convert.hub import render_model_card, task_example
+from fat5.convert.parity import verify_parity
 from fat5.files import check_model_folder, holds_tokenizer, printable, read_text
 from fat5.remote_code_fat5 import mark_as_package, write_remote_code
 

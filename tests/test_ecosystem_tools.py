@@ -14,20 +14,11 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from fat5 import FAT5Config, FAT5EncoderModel, FAT5ForConditionalGeneration
 from fat5.convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
-from fat5.convert.flan_to_fat5 import main as convert_main
 from isolated import run_isolated
 from t5_twins import TRANSFORMERS_5, close
 
 PROMPTS = [prompt for prompt, _ in DEMO_PROMPTS]
 ANSWERS = [answer for _, answer in DEMO_PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def demo_fat5(tmp_path_factory):
-    """The demo T5 converted to FAT5 (its code, config and tokenizer as a Hub folder has them)."""
-    folder = tmp_path_factory.mktemp("demo") / "fat5"
-    assert convert_main([str(DEMO_CHECKPOINT), str(folder), "--no-verify"]) == 0
-    return folder
 
 
 # -- sentence-transformers -------------------------------------------------------------------------------------------

@@ -59,13 +59,6 @@ def one_error_line(capsys, main, argv):
     return lines[0]
 
 
-@pytest.fixture(scope="module")
-def demo_fat5(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("demo") / "fat5"
-    assert flan_to_fat5.main([str(DEMO_CHECKPOINT), str(folder), "--no-verify"]) == 0
-    return folder
-
-
 # -- pretraining --------------------------------------------------------------------------------------------------
 
 def replace_torch_save(monkeypatch, where):

@@ -22,9 +22,9 @@ that also compiles. The SDPA peers get the dense bias contiguous (the fused back
 built inside the timed call as transformers builds it; a backend that refuses says why in its row. Their
 forward+backward stops at --dense-backward-max-length (the bias table's gradient, a scatter of L² values into 32
 buckets, takes about 10 s a call at L = 8192 on an H100 whatever the backend).
-Each row has two timings: ms, the throughput of calls enqueued back to back with the GPU kept busy (what a
-training step sees, its host running ahead; TFLOP/s come from it), and latency_ms, one call alone, host launch
-work included (what a generation step sees); host_ms is the host's share of a call.
+Each row has two timings (common.time_calls): ms, the throughput of calls back to back (triton.testing.do_bench: what
+a training step sees, its host running ahead; TFLOP/s come from it), and latency_ms, one call alone, host launch work
+included (what a generation step sees).
 FLOPs: forward 4·B·H·L²·D (half of it when causal); forward+backward counts 3.5× the forward. Every row is written
 to the JSON lines in --out the moment it is measured.
 --decode times one generation step instead (fat5: the decode kernel that generation runs, with the position
@@ -173,14 +173,14 @@ def decode(args, stamp, rows):
                 cells, times = [], {}
                 for name in names:
                     row = dict(implementation=name, L=key_length, batch=batch, causal=True, **{"pass": "decode"},
-                               tflops=None, ms=None, latency_ms=None, host_ms=None, peak_mib=None, status="ok")
+                               tflops=None, ms=None, latency_ms=None, peak_mib=None, status="ok")
                     try:
                         difference = (decode_step(name, q, k, v, table, position).float() - ours).abs().max().item()
                         if name != "sdpa_nobias" and difference > (5e-2 if args.dtype != "float32" else 1e-3):
                             row["status"] = f"mismatch: max|out - fat5| = {difference:.3g}"
                         timing = common.time_calls(lambda: decode_step(name, q, k, v, table, position), args.reps,
                                                    args.warmup, args.max_seconds)
-                        row.update(ms=timing["ms"], latency_ms=timing["latency_ms"], host_ms=timing["host_ms"])
+                        row.update(ms=timing["ms"], latency_ms=timing["latency_ms"])
                         times[name] = row["ms"], row["latency_ms"]
                     except Exception as error:  # out of memory, or a backend missing here: a row, not a crash
                         row["status"] = common.error_status(error)
@@ -220,7 +220,7 @@ def refusal(error, caught):
 
 def measure(name, tensors, expected, args, causal, rows):
     """Append to `rows` one row per pass (fwd, fwd+bwd) of implementation `name`: status, ms (throughput), latency_ms,
-    host_ms, TFLOP/s (from ms) and peak memory above the inputs. A first call compares its output with FAT5's
+    TFLOP/s (from ms) and peak memory above the inputs. A first call compares its output with FAT5's
     (`expected`, at dropout 0) so that a fast wrong kernel cannot win; it also compiles what compiles."""
     q, k, v, table, grad = tensors
     batch, heads, length, head_dim = q.shape
@@ -242,14 +242,14 @@ def measure(name, tensors, expected, args, causal, rows):
             return out
 
         row = dict(implementation=name, L=length, batch=batch, causal=causal, **{"pass": pass_name},
-                   tflops=None, ms=None, latency_ms=None, host_ms=None, peak_mib=None, status=status)
+                   tflops=None, ms=None, latency_ms=None, peak_mib=None, status=status)
         if pass_name == "fwd+bwd" and name in SDPA_BACKENDS and length > args.dense_backward_max_length:
             row["status"] = f"skipped: L > --dense-backward-max-length {args.dense_backward_max_length}"
         if not row["status"].startswith(("error", "oom", "skipped")):
             try:
                 with common.peak_memory() as peak:
                     timing = common.time_calls(step, args.reps, args.warmup, args.max_seconds)
-                row.update(ms=timing["ms"], latency_ms=timing["latency_ms"], host_ms=timing["host_ms"],
+                row.update(ms=timing["ms"], latency_ms=timing["latency_ms"],
                            tflops=flops * (3.5 if pass_name == "fwd+bwd" else 1) / timing["ms"] / 1e9,
                            peak_mib=peak["mib"] if q.is_cuda else None)
             except Exception as error:
@@ -338,7 +338,7 @@ def plot(rows, args, path):
 
 
 def build_parser():
-    parser = common.argument_parser(__doc__)
+    parser = common.argument_parser(__doc__, timing=(20, 5, 3.0), report=True)
     parser.add_argument("--lengths", type=common.positive_ints, default="512,1024,2048,4096,8192,16384,32768",
                         help="sequence lengths L (queries = keys), comma-separated")
     parser.add_argument("--heads", type=common.positive_int, default=12, help="attention heads")
@@ -356,8 +356,6 @@ def build_parser():
     parser.add_argument("--dense-backward-max-length", type=int, default=16384,
                         help="the dense-bias SDPA peers' forward+backward stops at this L (their bias gradient "
                              "takes seconds a call from L = 8192)")
-    common.add_timing_arguments(parser, reps=20, warmup=5, seconds=3.0)
-    common.add_output_arguments(parser)
     parser.add_argument("--decode", action="store_true", help="time one generation step instead (Lq = 1)")
     parser.add_argument("--decode-lengths", type=common.positive_ints, default="512,1024,2048,4096,8192",
                         help="cache lengths Lk")

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import datetime
 import json
+import math
 import platform
 import statistics
 import sys
@@ -14,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch.utils import benchmark
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,84 +127,55 @@ def synchronize():
         torch.cuda.synchronize()
 
 
-def time_ms(fn, reps, warmup, seconds=0.0):
-    """Median milliseconds of `fn()` over `reps` calls after `warmup` calls (CUDA events on GPU), each call alone:
-    synchronized before, so the host's launch work is inside every interval (what a generate call sees). With
-    `seconds`, counted from the end of the first call (which compiles), warm-up stops after half of it and timing
-    after all of it, one timed call at least: a slow peer gets fewer repetitions instead of a longer run."""
-    return time_calls(fn, reps, warmup, seconds, throughput=False)["latency_ms"]
-
-
-def _one_call_ms(fn):
-    """Milliseconds of one call of `fn`, the device idle before it: CUDA events around it on GPU."""
+def _call_ms(fn):
+    """Milliseconds of one call of `fn`, the device idle before and after it."""
     synchronize()
-    if not torch.cuda.is_available():
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    start = time.perf_counter()
     fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+    synchronize()
+    return (time.perf_counter() - start) * 1e3
 
 
-def time_calls(fn, reps, warmup, seconds=0.0, throughput=True):
-    """Two timings of `fn()` after `warmup` calls, as a dict:
-    latency_ms  the median of up to `reps` calls each alone (synchronized before, CUDA events around it): the
-                host's launch work and the GPU's, one after the other (what one generation step sees);
-    ms          throughput: a few calls enqueued without waiting (the GPU busy), then `calls` calls back to back
-                between one event pair, over `calls` (what a training step sees, its host running ahead): the
-                larger of the GPU's and the host's time per call;
-    host_ms     the host's time to enqueue one of those calls (ms close to host_ms: bound by the host);
-    calls       how many calls `ms` averages (0: the call is too slow to repeat, and ms is its latency).
-    With `seconds`, counted from the end of the first call (which compiles): warm-up stops after a quarter of
-    it, latency calls after half, and the throughput calls fill about the other half (one timed call of each at
-    least): a slow peer gets fewer repetitions instead of a longer run. On CPU everything is synchronous: ms is
-    the mean of the calls back to back."""
+def time_ms(fn, reps, warmup, seconds=0.0):
+    """The latency of `fn()`: the median milliseconds of up to `reps` calls each alone (the device idle before and
+    after, so the host's launch work and the device's come one after the other: what a generation step sees), after
+    `warmup` calls. With `seconds`, counted from the end of the first call (which compiles), warm-up stops after half
+    of it and timing after all of it, one timed call at least: a slow peer gets fewer repetitions."""
     if warmup:
         fn()
-        synchronize()
     began = time.perf_counter()
 
-    def spent(share):
-        synchronize()
+    def over(share):
         return seconds and time.perf_counter() - began > seconds * share
 
     for _ in range(warmup - 1):
-        if spent(0.25 if throughput else 0.5):
+        if over(0.5):
             break
         fn()
-    latencies = []
-    for done in range(reps):
-        if done and spent(0.5 if throughput else 1.0):
-            break
-        latencies.append(_one_call_ms(fn))
-    latency = statistics.median(latencies)
-    result = dict(ms=latency, latency_ms=latency, host_ms=None, calls=0)
-    calls = reps if not seconds else min(reps, int(seconds * 1e3 / 2 / latency))
-    if not throughput or calls < 1:
-        return result
-    for _ in range(min(2, calls)):  # the GPU busy with these while the timed calls are enqueued
-        fn()
-    cuda = torch.cuda.is_available()
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    times = [_call_ms(fn)]
+    while len(times) < reps and not over(1.0):
+        times.append(_call_ms(fn))
+    return statistics.median(times)
+
+
+def time_calls(fn, reps, warmup, seconds=0.0):
+    """Two timings of `fn()`, in milliseconds: `latency_ms` (time_ms, in the first half of `seconds`) and `ms`, the
+    throughput of calls back to back (what a training step sees, its host running ahead), in the other half and
+    about `reps` calls' time at most: triton.testing.do_bench's median on CUDA (each call between CUDA events, so the
+    larger of the GPU's and the host's time a call), torch.utils.benchmark's mean on CPU (synchronous: the latency
+    again). A call slower than its half of `seconds` is not repeated: its throughput is its latency. (`host_ms`,
+    the host's share, is no longer measured: None.)"""
+    latency = time_ms(fn, reps, warmup, seconds / 2)
+    budget = min(seconds * 1e3 / 2 if seconds else math.inf, reps * latency)
+    if latency >= budget:
+        return dict(ms=latency, latency_ms=latency, host_ms=None)
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+
+        ms = do_bench(fn, warmup=latency, rep=budget, return_mode="median")
     else:
-        started = time.perf_counter()
-    enqueue = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - enqueue) * 1e3 / calls
-    if cuda:
-        end.record()
-        end.synchronize()
-        total = start.elapsed_time(end)
-    else:
-        total = (time.perf_counter() - started) * 1e3
-    return dict(result, ms=total / calls, host_ms=host, calls=calls)
+        ms = benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=budget / 1e3).mean * 1e3
+    return dict(ms=ms, latency_ms=latency, host_ms=None)
 
 
 def _resident_kib(field):
@@ -326,9 +299,21 @@ def markdown_head(title, description, columns):
             "|" + " --- |" * len(columns)]
 
 
-def argument_parser(docstring):
-    """The parser of a benchmark script: its docstring as the description, every default shown."""
-    return argparse.ArgumentParser(description=docstring, formatter_class=HelpFormatter)
+def argument_parser(docstring, timing=None, model=None, allow_cpu=False, output=False, report=False):
+    """The argument helper of the benchmark scripts: a parser with the docstring as its description and every default
+    shown, and the flags the scripts share, as asked: --reps, --warmup and --max-seconds (`timing`: their defaults),
+    --shape and --dtype (`model`: True, or --dtype's help), --allow-cpu, --out and --smoke (`output`), --no-plot and
+    --update-results (`report`)."""
+    parser = argparse.ArgumentParser(description=docstring, formatter_class=HelpFormatter)
+    if timing:
+        add_timing_arguments(parser, *timing)
+    if model:
+        add_model_arguments(parser, None if model is True else model)
+    if allow_cpu:
+        add_allow_cpu_argument(parser)
+    if output or report:
+        add_output_arguments(parser, report)
+    return parser
 
 
 def add_timing_arguments(parser, reps, warmup, seconds):
@@ -340,17 +325,19 @@ def add_timing_arguments(parser, reps, warmup, seconds):
                              "at all of it, after one call of each (a slow peer gets fewer repetitions; 0: no limit)")
 
 
-def add_output_arguments(parser):
-    """The output options of the side-by-side timing scripts."""
+def add_output_arguments(parser, report=True):
+    """--out and --smoke, and with `report` --no-plot and --update-results."""
     parser.add_argument("--out", type=Path, default=OUT_DIR, metavar="DIR",
                         help=f"folder for the raw rows (JSON lines, written as they are measured) and the plot (PNG) "
                              f"(default: ./{OUT_DIR}/ in the current folder)")
-    parser.add_argument("--no-plot", action="store_true", help=f"draw no plot (plots need matplotlib: {BENCH_EXTRA})")
-    parser.add_argument("--update-results", action="store_true",
-                        help="also append the markdown table to benchmarks/RESULTS.md of this checkout")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes on CPU (the Triton interpreter): checks the script itself, times nothing "
                              "worth reading")
+    if report:
+        parser.add_argument("--no-plot", action="store_true",
+                            help=f"draw no plot (plots need matplotlib: {BENCH_EXTRA})")
+        parser.add_argument("--update-results", action="store_true",
+                            help="also append the markdown table to benchmarks/RESULTS.md of this checkout")
 
 
 def require_gpu(args, instead="run --smoke"):
@@ -407,7 +394,7 @@ def build_model(name, reference):
     """A fresh fp32 CPU copy of `reference`'s weights as model `name`: "fat5" (through the converter's config
     and mapping, which is the identity on names) or one of T5_ATTENTION."""
     if name == "fat5":
-        from convert.checkpoint import EMBEDDING_COPIES, UNUSED_SOURCE_TENSORS, fat5_config_from_t5
+        from fat5.convert.checkpoint import EMBEDDING_COPIES, UNUSED_SOURCE_TENSORS, fat5_config_from_t5
         from fat5.modeling_fat5 import FAT5ForConditionalGeneration
 
         config = fat5_config_from_t5(reference.config.to_dict(), lm_head_tied=False)

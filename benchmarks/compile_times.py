@@ -17,7 +17,6 @@ import multiprocessing
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -102,16 +101,11 @@ def compile_variant(name, smoke):
 
 
 def build_parser():
-    parser = common.argument_parser(__doc__)
+    parser = common.argument_parser(__doc__, output=True)
     parser.add_argument("--variants", default=FIRST_CALL,
                         help=f"variants, comma-separated, from: {', '.join(VARIANTS)}")
     parser.add_argument("--jobs", type=common.positive_int, default=8,
                         help="variants compiled at once, each in its own process (1: in this process)")
-    parser.add_argument("--out", type=Path, default=common.OUT_DIR, metavar="DIR",
-                        help=f"folder for the rows (JSON lines, each written when its variant is done) (default: "
-                             f"./{common.OUT_DIR}/ in the current folder)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny sizes on CPU (Triton's interpreter), one process: checks the script")
     return parser
 
 

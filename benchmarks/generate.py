@@ -267,7 +267,7 @@ def ct2_export(reference, folder):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from convert.ct2_fat5 import main as ct2_main
+    from fat5.convert.ct2_fat5 import main as ct2_main
 
     vocabulary = ["<pad>", "</s>", "<unk>"] + [f"t{i}" for i in range(3, reference.config.vocab_size)]
     tokenizer = Tokenizer(models.WordLevel({token: i for i, token in enumerate(vocabulary)}, unk_token="<unk>"))

@@ -118,7 +118,7 @@ def liger_check(vocab_size, d_model, tokens, reps):
 
 
 def main():
-    parser = common.argument_parser(__doc__)
+    parser = common.argument_parser(__doc__, output=True)
     parser.add_argument("--vocab-size", type=common.positive_int, default=250112,
                         help="vocabulary (the LM head's rows; 250112 is mT5's)")
     parser.add_argument("--d-model", type=common.positive_int, default=32, help="model width")
@@ -127,10 +127,6 @@ def main():
                         help="tokens of the real loss/gradient check")
     parser.add_argument("--reps", type=common.positive_int, default=5,
                         help="timed steps of each kind at --check-tokens")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
-    parser.add_argument("--out", type=Path, default=common.OUT_DIR, metavar="DIR",
-                        help=f"folder for the results (JSON lines: the peaks, the check and liger-kernel's, each "
-                             f"written when measured) (default: ./{common.OUT_DIR}/ in the current folder)")
     args = parser.parse_args()
     if args.smoke:
         args.vocab_size, args.tokens, args.check_tokens, args.reps = 5000, 2048, 256, 1

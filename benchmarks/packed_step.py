@@ -78,13 +78,11 @@ def run(name, model, batches, args, rows):
 
 
 def main():
-    parser = common.argument_parser(__doc__)
+    parser = common.argument_parser(__doc__, model="autocast dtype (default: bfloat16 on CUDA, float32 on CPU)",
+                                    allow_cpu=True, report=True)
     parser.add_argument("--examples", type=common.positive_int, default=64, help="examples a step")
     parser.add_argument("--steps", type=common.positive_int, default=12, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles and allocates)")
-    common.add_model_arguments(parser, dtype_help="autocast dtype (default: bfloat16 on CUDA, float32 on CPU)")
-    common.add_allow_cpu_argument(parser)
-    common.add_output_arguments(parser)
     args = parser.parse_args()
     mix = dict(MIX)
     base = common.V11_BASE

@@ -80,13 +80,12 @@ def run(args, folder):
 
 
 def main():
-    parser = common.argument_parser(__doc__)
+    parser = common.argument_parser(__doc__, report=True)
     parser.add_argument("--batch", type=common.positive_int, default=64,
                         help="examples a step (--per_device_train_batch_size: packed into rows by the command)")
     parser.add_argument("--steps", type=common.positive_int, default=60, help="training steps")
     parser.add_argument("--logging-steps", type=common.positive_int, default=10, help="steps a log interval")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (--dataloader_num_workers)")
-    common.add_output_arguments(parser)
     args = parser.parse_args()
     if args.smoke:
         args.batch, args.steps, args.logging_steps, args.workers = 4, 4, 2, 0

@@ -130,7 +130,10 @@ def plot(rows, args, path):
 
 
 def build_parser():
-    parser = common.argument_parser(__doc__)
+    parser = common.argument_parser(
+        __doc__, timing=(10, 3, 20.0), allow_cpu=True, report=True,
+        model="autocast dtype (weights and AdamW state stay fp32, as Trainer's bf16=True; default: bfloat16 on CUDA, "
+              "float32 on CPU)")
     parser.add_argument("--lengths", type=common.positive_ints, default="512,1024,2048,4096,8192,16384,32768",
                         help="encoder lengths L, comma-separated")
     parser.add_argument("--tokens", type=common.positive_int, default=32768,
@@ -139,12 +142,6 @@ def build_parser():
     parser.add_argument("--impl", default=DEFAULT_IMPL,
                         help="implementations, comma-separated: fat5 and transformers' "
                              f"{', '.join(common.T5_ATTENTION)}, each optionally +compile")
-    common.add_model_arguments(
-        parser, dtype_help="autocast dtype (weights and AdamW state stay fp32, as Trainer's bf16=True; default: "
-                           "bfloat16 on CUDA, float32 on CPU)")
-    common.add_timing_arguments(parser, reps=10, warmup=3, seconds=20.0)
-    common.add_allow_cpu_argument(parser)
-    common.add_output_arguments(parser)
     return parser
 
 

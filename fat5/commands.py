@@ -3,7 +3,7 @@
 
 Only the standard library is imported until a command runs, so `fat5 --help` and a mistyped command answer at once,
 and so does a command that needs an extra which is not installed (`NEEDS`).
-The commands are the modules above the model package (the converters in `convert/`, the recipes, pretraining); this
+The commands are the modules above the model package (the converters in `fat5/convert/`, the recipes, pretraining); this
 launcher names them as strings and imports the one asked for, nothing else. A Ctrl-C from the first instant
 `console_main` runs (imports included) ends it with one `interrupted` line and exit status 130.
 """
@@ -13,12 +13,12 @@ import sys
 
 # command: (module run with the arguments, what it does). In --help's order.
 COMMANDS = {
-    "convert": ("convert.flan_to_fat5", "convert a T5 / FLAN-T5 / mT5 / umT5 / ByT5 checkpoint to FAT5 (no arguments: "
-                                        "the bundled demo model)"),
-    "to-t5": ("convert.fat5_to_t5", "convert a FAT5 checkpoint back to transformers' T5 / mT5 / umT5"),
-    "refresh-code": ("convert.refresh_code", "give a FAT5 folder written by an earlier FAT5 this FAT5's code"),
-    "onnx": ("convert.onnx_fat5", "export a FAT5 folder to ONNX with optimum (the \"onnx\" extra)"),
-    "ct2": ("convert.ct2_fat5", "convert a FAT5 folder to a CTranslate2 model (the \"ct2\" extra)"),
+    "convert": ("fat5.convert.flan_to_fat5", "convert a T5 / FLAN-T5 / mT5 / umT5 / ByT5 checkpoint to FAT5 (no "
+                                             "arguments: the bundled demo model)"),
+    "to-t5": ("fat5.convert.fat5_to_t5", "convert a FAT5 checkpoint back to transformers' T5 / mT5 / umT5"),
+    "refresh-code": ("fat5.convert.refresh_code", "give a FAT5 folder written by an earlier FAT5 this FAT5's code"),
+    "onnx": ("fat5.convert.onnx_fat5", "export a FAT5 folder to ONNX with optimum (the \"onnx\" extra)"),
+    "ct2": ("fat5.convert.ct2_fat5", "convert a FAT5 folder to a CTranslate2 model (the \"ct2\" extra)"),
     "pretrain": ("fat5.training.pretrain", "pretrain or continue pretraining with T5/UL2 denoising (\"pretrain\" "
                                            "extra)"),
     "train": ("fat5.recipes.train", "fine-tune on (source, target) pairs with Trainer (\"recipes\" extra)"),

@@ -1,8 +1,8 @@
-"""Train the tiny demo T5 bundled in convert/demo_t5 (the default input of `python -m convert.flan_to_fat5`).
+"""Train the tiny demo T5 bundled in fat5/convert/demo_t5 (the default input of `python -m convert.flan_to_fat5`).
 
-    python scripts/train_demo_t5.py [--out convert/demo_t5] [--steps 5000] [--seed 0] [--threads 1]
+    python scripts/train_demo_t5.py [--out fat5/convert/demo_t5] [--steps 5000] [--seed 0] [--threads 1]
 
-(with the fat5 package installed, e.g. `pip install -e .`, since it reads the demo prompts from convert/demo.py,
+(with the fat5 package installed, e.g. `pip install -e .`, since it reads the demo prompts from fat5/convert/demo.py,
 and transformers 4.x: transformers 5 always ties T5's LM head to the embeddings when it builds one from a config,
 so it cannot make the untied FLAN-T5 layout; both load the result)
 
@@ -15,7 +15,7 @@ on three synthetic text-to-text tasks with FLAN-style prefixes:
     sort: pear apple fig              ->  apple fig pear
 
 Everything is deterministic for a given --seed: the data, the tokenizer, the initialisation and the batches.
-The demo prompts of convert/demo.py are held out of training with about 10% of all prompts, which are used to
+The demo prompts of fat5/convert/demo.py are held out of training with about 10% of all prompts, which are used to
 measure exact-match accuracy.
 """
 
@@ -39,7 +39,7 @@ from transformers import (
     T5TokenizerFast,
 )
 
-from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
+from fat5.convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
 
 WORDS = ("the a cat dog bird fish fox cow hen owl sat ran saw ate sang slept on in under by near mat box "
          "tree house road hill pond red big small old happy little blue green one two").split()

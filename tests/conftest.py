@@ -6,6 +6,7 @@ tests that only need them as arguments take the `kernel_device` and `tiny_config
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -49,6 +50,19 @@ def tiny_config_fixture():
     return tiny_config
 
 
+@pytest.fixture(scope="session")
+def demo_fat5(tmp_path_factory):
+    """The bundled demo T5 converted to FAT5 once a session, as the quick start's command 1 writes ./fat5-demo (its
+    parity proof and answers: tests/test_cli.py): the path, as text. Tests read it; one that changes a folder copies
+    it first."""
+    from fat5.convert.demo import DEMO_CHECKPOINT
+    from fat5.convert.flan_to_fat5 import main
+
+    folder = tmp_path_factory.mktemp("demo") / "fat5-demo"
+    assert main([str(DEMO_CHECKPOINT), str(folder), "--no-verify"]) == 0
+    return str(folder)
+
+
 def pytest_configure(config):
     """The default run leaves the slow tier out (pyproject.toml's addopts, `-m "not slow"`); a run that names test
     files or tests without a -m of its own runs them whole, slow tests included."""
@@ -67,3 +81,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+STARTED = time.monotonic()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Under CI, each test run's counts and minutes go to the figures file `.ci/run` writes (FAT5_CI_FIGURES), the one
+    place test counts and durations live."""
+    figures = os.environ.get("FAT5_CI_FIGURES")
+    if not figures:
+        return
+    import transformers
+
+    named = [arg for arg in config.invocation_params.args if ".py" in arg and not arg.startswith("-")]
+    counts = ", ".join(f"{len(terminalreporter.stats[key])} {key}" for key in
+                       ("passed", "failed", "error", "skipped", "deselected") if terminalreporter.stats.get(key))
+    which = f"-m \"{config.option.markexpr}\"" + (f" on {len(named)} files" if named else "")
+    with open(figures, "a") as file:
+        file.write(f"- pytest {which} (transformers {transformers.__version__}, torch {torch.__version__}): "
+                   f"{counts}; {(time.monotonic() - STARTED) / 60:.1f} min\n")

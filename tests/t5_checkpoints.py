@@ -7,7 +7,7 @@ import torch
 import transformers
 from torch import nn
 
-from convert.checkpoint import load_source_model
+from fat5.convert.checkpoint import load_source_model
 
 COMMON = dict(vocab_size=101, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
               relative_attention_num_buckets=8, relative_attention_max_distance=20, dropout_rate=0.0,

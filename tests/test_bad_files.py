@@ -9,12 +9,13 @@ advice to load it with weights_only=False."""
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from test_pretrain import TINY, write_corpus
 
-from convert import fat5_to_t5, flan_to_fat5, onnx_fat5, refresh_code
-from convert.demo import DEMO_CHECKPOINT
+from fat5.convert import fat5_to_t5, flan_to_fat5, onnx_fat5, refresh_code
+from fat5.convert.demo import DEMO_CHECKPOINT
 from fat5.recipes import predict, train
 from fat5.training import pretrain
 
@@ -28,11 +29,10 @@ BREAKAGES = {
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
+def folders(tmp_path_factory, demo_fat5):
     """The demo T5, its FAT5 conversion, a small corpus and a tiny model config, made once."""
     root = tmp_path_factory.mktemp("good")
-    fat5_folder = root / "fat5"
-    assert flan_to_fat5.main([str(DEMO_CHECKPOINT), str(fat5_folder), "--no-verify"]) == 0
+    fat5_folder = Path(demo_fat5)
     (root / "tiny.json").write_text(json.dumps(TINY))
     write_corpus(root / "corpus.txt", 10)
     (root / "pairs.csv").write_text("source,target\nthe cat,le chat\nthe dog,le chien\n")

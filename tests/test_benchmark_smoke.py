@@ -606,18 +606,19 @@ def test_sdpa_peers_get_the_dense_bias_contiguous(monkeypatch):
 
 
 def test_time_calls_reports_throughput_and_latency():
-    """common.time_calls: both timings of every call, the throughput over `calls` back-to-back calls; a call slower
-    than half the time allowed is not repeated (its throughput is its latency)."""
+    """common.time_calls: both timings of every call, the throughput over calls back to back (torch.utils.benchmark
+    on CPU, triton.testing.do_bench on CUDA) after the latency's calls; a call slower than half the time allowed is
+    not repeated (its throughput is its latency)."""
     sys.path.insert(0, str(BENCHMARKS))
     import common
 
     calls = []
     timing = common.time_calls(lambda: calls.append(time.sleep(0.002)), reps=5, warmup=2, seconds=0.0)
-    assert timing["calls"] == 5 and len(calls) == 2 + 5 + 2 + 5  # warm-up, latency, busy, throughput
-    assert timing["ms"] >= 2 and timing["latency_ms"] >= 2 and timing["host_ms"] >= 2
+    assert len(calls) > 2 + 5  # warm-up, latency, then the throughput's calls
+    assert timing["ms"] >= 2 and timing["latency_ms"] >= 2 and timing["host_ms"] is None
     calls.clear()
     slow = common.time_calls(lambda: calls.append(time.sleep(0.03)), reps=5, warmup=1, seconds=0.05)
-    assert slow["calls"] == 0 and slow["ms"] == slow["latency_ms"] >= 30 and slow["host_ms"] is None
+    assert len(calls) == 1 + 1 and slow["ms"] == slow["latency_ms"] >= 30 and slow["host_ms"] is None
     assert common.time_ms(lambda: time.sleep(0.002), reps=3, warmup=1) >= 2
 
 

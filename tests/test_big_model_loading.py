@@ -13,8 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
-from convert.flan_to_fat5 import main as convert_main
 from fat5 import FAT5ForConditionalGeneration
+from fat5.convert.flan_to_fat5 import main as convert_main
 from t5_checkpoints import make_t5_checkpoint, padded_batch
 from t5_twins import TRANSFORMERS_5
 

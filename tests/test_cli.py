@@ -11,11 +11,11 @@ import torch
 from huggingface_hub import HfApi
 from safetensors.torch import load_file
 
-import convert.export
-from convert.checkpoint import convert_checkpoint
-from convert.demo import DEMO_PROMPTS
-from convert.flan_to_fat5 import main
-from convert.safety import STAGING_MARK
+import fat5.convert.export
+from fat5.convert.checkpoint import convert_checkpoint
+from fat5.convert.demo import DEMO_PROMPTS
+from fat5.convert.flan_to_fat5 import main
+from fat5.convert.safety import STAGING_MARK
 from t5_checkpoints import make_t5_checkpoint
 from t5_twins import TRANSFORMERS_5
 
@@ -127,7 +127,7 @@ def test_hub_id_source_offline_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeError])
 def test_interrupted_run_leaves_nothing(flan, tmp_path, failure):
     out = tmp_path / "out"
-    with mock.patch.object(convert.export, "verify_parity", side_effect=failure("stop")):
+    with mock.patch.object(fat5.convert.export, "verify_parity", side_effect=failure("stop")):
         if failure is KeyboardInterrupt:
             assert main([str(flan), str(out)]) == 130
         else:
@@ -141,7 +141,7 @@ def test_overwrite_replaces_atomically(flan, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "stale.txt").write_text("old")
-    with mock.patch.object(convert.export, "verify_parity", side_effect=RuntimeError("stop")):
+    with mock.patch.object(fat5.convert.export, "verify_parity", side_effect=RuntimeError("stop")):
         with pytest.raises(RuntimeError):
             main([str(flan), str(out), "--overwrite"])
     assert (out / "stale.txt").is_file()  # a failed run leaves the old folder as it was
@@ -155,8 +155,8 @@ def test_parity_failure_is_loud(flan, tmp_path):
     def broken(*args, **kwargs):
         yield from ((name, tensor + 0.1) for name, tensor in original(*args, **kwargs))
 
-    original = convert.export.iter_converted_tensors
-    with mock.patch.object(convert.export, "iter_converted_tensors", broken):
+    original = fat5.convert.export.iter_converted_tensors
+    with mock.patch.object(fat5.convert.export, "iter_converted_tensors", broken):
         assert main([str(flan), str(tmp_path / "out")]) == 1  # a failed self-check, not bad input
     assert not (tmp_path / "out").exists()
 
@@ -229,7 +229,7 @@ def test_a_conversion_asks_no_question(tmp_path):
     """The parity proof loads the written folder's tokenizer: on transformers 5 an unregistered FAT5 folder makes
     AutoTokenizer ask whether to run its code, and wait 15 s for an answer in a terminal. The converter registers
     FAT5 first, as FAT5's commands do before they load a folder."""
-    from convert.demo import DEMO_CHECKPOINT
+    from fat5.convert.demo import DEMO_CHECKPOINT
 
     result = subprocess.run([sys.executable, "-m", "convert.flan_to_fat5", str(DEMO_CHECKPOINT), str(tmp_path / "out")],
                             cwd=REPO, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
@@ -245,7 +245,7 @@ def test_the_demo_and_the_converters_print_no_unlabelled_bars_nor_the_tied_weigh
     weights. Only the converter's own, labelled bar remains."""
     import shutil
 
-    from convert import fat5_to_t5
+    from fat5.convert import fat5_to_t5
 
     monkeypatch.chdir(tmp_path)
     saved = shutil.copytree(flan, tmp_path / "saved-by-5")

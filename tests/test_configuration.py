@@ -102,7 +102,7 @@ def training_outputs_differ(model):
 @pytest.fixture(scope="module")
 def flan_with_dropout(tmp_path_factory):
     """A FLAN-T5-shaped checkpoint with Google's dropout_rate 0.1, and its FAT5 conversion."""
-    from convert.flan_to_fat5 import main as convert_main
+    from fat5.convert.flan_to_fat5 import main as convert_main
     from t5_checkpoints import make_t5_checkpoint
 
     root = tmp_path_factory.mktemp("dropout")

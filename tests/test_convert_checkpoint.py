@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from convert.checkpoint import ConversionError, convert_checkpoint, plan_conversion
+from fat5.convert.checkpoint import ConversionError, convert_checkpoint, plan_conversion
 from t5_checkpoints import make_t5_checkpoint
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
-from convert.checkpoint import (
+from fat5 import FAT5Config, FAT5ForConditionalGeneration
+from fat5.convert.checkpoint import (
     DERIVED_FIELDS,
     FAT5_SETTINGS,
     ConversionError,
@@ -15,9 +16,8 @@ from convert.checkpoint import (
     t5_computes,
     t5_config_from_fat5,
 )
-from convert.fat5_to_t5 import main as back
-from convert.flan_to_fat5 import main
-from fat5 import FAT5Config, FAT5ForConditionalGeneration
+from fat5.convert.fat5_to_t5 import main as back
+from fat5.convert.flan_to_fat5 import main
 from t5_checkpoints import COMMON, make_t5_checkpoint
 
 # Fields that size tensors: a new value would not match the weights, so they keep the checkpoint's value.

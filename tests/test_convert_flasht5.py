@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from test_convert_fields import changed
 
-from convert.checkpoint import ConversionError, iter_converted_tensors
-from convert.flan_to_fat5 import main
-from convert.flasht5 import DEFAULTS, fat5_config_fields, load_reference, plan_flasht5_conversion
-from convert.parity import ROUNDING_FACTOR, rounding_spread
 from fat5 import FAT5Config, FAT5ForConditionalGeneration
+from fat5.convert.checkpoint import ConversionError, iter_converted_tensors
+from fat5.convert.flan_to_fat5 import main
+from fat5.convert.flasht5 import DEFAULTS, fat5_config_fields, load_reference, plan_flasht5_conversion
+from fat5.convert.parity import ROUNDING_FACTOR, rounding_spread
 from t5_twins import close
 
 FIXTURES = Path(__file__).parent / "fixtures" / "flasht5"

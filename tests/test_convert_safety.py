@@ -15,11 +15,11 @@ import torch
 from huggingface_hub import HfApi
 from safetensors.torch import load_file, save_file
 
-import convert.export
-import convert.safety
-from convert.checkpoint import iter_converted_tensors, plan_conversion
-from convert.flan_to_fat5 import main
+import fat5.convert.export
+import fat5.convert.safety
 from fat5 import safe_files
+from fat5.convert.checkpoint import iter_converted_tensors, plan_conversion
+from fat5.convert.flan_to_fat5 import main
 from t5_checkpoints import make_t5_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,7 +35,7 @@ def snapshot(folder):
 
 
 def staging_leftovers(parent):
-    return [path.name for path in parent.iterdir() if convert.safety.STAGING_MARK in path.name]
+    return [path.name for path in parent.iterdir() if fat5.convert.safety.STAGING_MARK in path.name]
 
 
 def run_main(capsys, argv):
@@ -91,7 +91,7 @@ def test_a_symlinked_out_that_is_no_folder_is_one_true_line(flan, tmp_path, caps
 @pytest.mark.parametrize("direction", ["to FAT5", "back to T5"])
 def test_an_out_path_that_is_not_utf8_is_one_true_line(flan, tmp_path, capsys, direction):
     """It was reported as a failure of the model card's template; safetensors could not load the folder anyway."""
-    from convert.fat5_to_t5 import main as back
+    from fat5.convert.fat5_to_t5 import main as back
 
     out = tmp_path / os.fsdecode(b"out\xff")
     if direction == "to FAT5":
@@ -125,7 +125,7 @@ def existing_out(tmp_path):
 
 def test_interrupt_before_the_swap_keeps_the_old_folder(flan, tmp_path, capsys):
     out = existing_out(tmp_path)
-    with mock.patch.object(convert.export, "verify_parity", side_effect=KeyboardInterrupt):
+    with mock.patch.object(fat5.convert.export, "verify_parity", side_effect=KeyboardInterrupt):
         assert run_main(capsys, [str(flan), str(out), "--overwrite"]) == 130
     assert one_error_line(capsys) == f"interrupted: {out} is unchanged (the old folder is intact)"
     assert snapshot(out) == {Path("old.txt"): b"old"}
@@ -165,7 +165,7 @@ HOLD_LOCK = ("import fcntl, os, sys; descriptor = os.open(sys.argv[1], os.O_RDON
 
 
 def test_stale_staging_of_a_killed_run_is_removed_and_only_that(flan, tmp_path, capsys):
-    mark = convert.safety.STAGING_MARK
+    mark = fat5.convert.safety.STAGING_MARK
     stale = tmp_path / f".out{mark}123-abc"  # a killed run's: no process holds it locked
     alive = tmp_path / f".out{mark}456-abc"  # a running process's staging, which it holds locked
     other = tmp_path / f".other{mark}123-abc"  # another OUT's
@@ -364,7 +364,7 @@ def test_out_that_appears_before_the_swap_is_replaced_with_overwrite(flan, tmp_p
 
 
 def test_the_way_back_also_leaves_an_out_that_appeared(flan, tmp_path, capsys):
-    from convert.fat5_to_t5 import main as back
+    from fat5.convert.fat5_to_t5 import main as back
 
     assert run_main(capsys, [str(flan), str(tmp_path / "fat5"), "--no-verify"]) == 0
     out = tmp_path / "t5"

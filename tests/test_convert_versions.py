@@ -8,16 +8,16 @@ import torch
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
-from convert.checkpoint import (
+from fat5 import FAT5Config, FAT5ForConditionalGeneration
+from fat5.compat_fat5 import release
+from fat5.convert.checkpoint import (
     RESCALE_BY_WRITER,
     ConversionError,
     convert_checkpoint,
     scales_decoder_output,
 )
-from convert.fat5_to_t5 import main as back
-from convert.flan_to_fat5 import main
-from fat5 import FAT5Config, FAT5ForConditionalGeneration
-from fat5.compat_fat5 import release
+from fat5.convert.fat5_to_t5 import main as back
+from fat5.convert.flan_to_fat5 import main
 from t5_checkpoints import COMMON, make_t5_checkpoint
 
 # (model_type, config.json keys as written, does the writer scale the decoder output): every row of

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
+from fat5.convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 from test_pretrain import TINY
 
-from convert.demo import DEMO_CHECKPOINT
+from fat5.convert.demo import DEMO_CHECKPOINT
 from t5_checkpoints import make_t5_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -280,19 +280,10 @@ def test_relative_links_resolve(page):
 
 # --- running them ------------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="session")
-def converted_demo(tmp_path_factory):
-    """./fat5-demo as the quick start's command 1 writes it (verified by tests/test_cli.py; not again here)."""
-    out = tmp_path_factory.mktemp("docs-demo") / "fat5-demo"
-    subprocess.run([sys.executable, "-m", "convert.flan_to_fat5", str(DEMO_CHECKPOINT), str(out), "--no-verify"],
-                   cwd=REPO, check=True, capture_output=True)
-    return out
-
-
-def workspace(folder, converted_demo):
+def workspace(folder, demo_fat5):
     """What the docs' commands read besides the data their `fat5 sample-data` writes, under the names they use: the
     demo folder, a T5 checkpoint and a tiny model config."""
-    shutil.copytree(converted_demo, folder / "fat5-demo")
+    shutil.copytree(demo_fat5, folder / "fat5-demo")
     make_t5_checkpoint("flan-t5", folder / "my-t5-checkpoint")
     (folder / "tiny-config.json").write_text(json.dumps(TINY))
     return folder
@@ -331,8 +322,8 @@ PAGES_WITH_COMMANDS = [page for page in PAGES if any(classify(name) == "run" for
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES_WITH_COMMANDS, ids=relative)
-def test_page_commands_run(page, tmp_path, converted_demo):
-    folder = workspace(tmp_path, converted_demo)
+def test_page_commands_run(page, tmp_path, demo_fat5):
+    folder = workspace(tmp_path, demo_fat5)
     for name, text in commands(page):
         if classify(name) != "run":
             continue
@@ -348,9 +339,9 @@ PYTHON_BLOCKS = [pytest.param(page, i, id=f"{relative(page)}-{i}") for page in P
 
 
 @pytest.mark.parametrize("page, index", PYTHON_BLOCKS)
-def test_python_blocks_run(page, index, tmp_path, converted_demo):
+def test_python_blocks_run(page, index, tmp_path, demo_fat5):
     code = list(blocks(page))[index][1]
-    shutil.copytree(converted_demo, tmp_path / "fat5-demo")
+    shutil.copytree(demo_fat5, tmp_path / "fat5-demo")
     run([sys.executable, "-c", code], tmp_path, ENV)
 
 
@@ -360,13 +351,13 @@ def test_the_venv_line_makes_a_venv(tmp_path):
     assert (tmp_path / ".venv" / "bin" / "python").exists()
 
 
-def test_the_int8_route_shows_no_warning_nobody_can_act_on(tmp_path, converted_demo):
+def test_the_int8_route_shows_no_warning_nobody_can_act_on(tmp_path, demo_fat5):
     """docs/using.md's int8 call leaves out torch's two deprecation warnings of its dynamic quantization (which still
     works), filtered by message at the call; without those filters, this torch gives them (so the filters are
     needed, and the test notices when a torch stops warning or drops the route)."""
     code = next(text for language, text in blocks(REPO / "docs" / "using.md")
                 if language == "python" and "quantize_dynamic" in text)
-    shutil.copytree(converted_demo, tmp_path / "fat5-demo")
+    shutil.copytree(demo_fat5, tmp_path / "fat5-demo")
     shown = run([sys.executable, "-W", "default", "-c", code], tmp_path, ENV)
     assert shown.stdout.strip() == "mat the on sat cat the" and "Warning" not in shown.stderr, shown.stderr
     unfiltered = "\n".join(line for line in code.splitlines() if "filterwarnings" not in line)

@@ -23,11 +23,11 @@ import transformers
 from packaging.requirements import Requirement
 from transformers import AutoModelForSeq2SeqLM
 
-from convert.checkpoint import convert_checkpoint
-from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
-from convert.flan_to_fat5 import main as convert_main
 from fat5 import FAT5ForConditionalGeneration, compat_fat5
 from fat5.compat_fat5 import CACHE_NAME, TESTED_TRANSFORMERS
+from fat5.convert.checkpoint import convert_checkpoint
+from fat5.convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
+from fat5.convert.flan_to_fat5 import main as convert_main
 from isolated import assert_every_class_is_the_folders_code, load_by_id, publish_to_hub_cache, run_isolated
 from t5_checkpoints import COMMON, FAMILIES, make_t5_checkpoint, padded_batch
 

@@ -12,22 +12,13 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
-from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
-from convert.flan_to_fat5 import main as convert_main
 from fat5 import FAT5Config, FAT5EncoderModel, FAT5ForConditionalGeneration
+from fat5.convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
 from isolated import run_isolated
 from t5_twins import TRANSFORMERS_5, close
 
 PROMPTS = [prompt for prompt, _ in DEMO_PROMPTS]
 ANSWERS = [answer for _, answer in DEMO_PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def demo_fat5(tmp_path_factory):
-    """The demo T5 converted to FAT5 (its code, config and tokenizer as a Hub folder has them)."""
-    folder = tmp_path_factory.mktemp("demo") / "fat5"
-    assert convert_main([str(DEMO_CHECKPOINT), str(folder), "--no-verify"]) == 0
-    return folder
 
 
 # -- sentence-transformers -------------------------------------------------------------------------------------------
@@ -94,7 +85,7 @@ def pytorch_greedy(folder, tokenizer, prompts, max_tokens):
 
 def test_the_ct2_command_gives_pytorchs_greedy_tokens(demo_fat5, tmp_path, capsys):
     pytest.importorskip("ctranslate2")
-    from convert.ct2_fat5 import main as ct2_main
+    from fat5.convert.ct2_fat5 import main as ct2_main
 
     assert ct2_main([str(demo_fat5), str(tmp_path / "ct2")]) == 0
     assert "Check: CTranslate2 decodes a sample to PyTorch's" in capsys.readouterr().out
@@ -133,7 +124,7 @@ VARIANTS = [(True, True, False), (True, False, False), (False, False, True)]
 @pytest.mark.parametrize("tied, scaled, per_layer", VARIANTS, ids=["t5-v1.0", "tied-unscaled", "umt5"])
 def test_ct2_conversions_of_every_t5_variant_decode_as_pytorch(tmp_path, tied, scaled, per_layer):
     pytest.importorskip("ctranslate2")
-    from convert.ct2_fat5 import main as ct2_main
+    from fat5.convert.ct2_fat5 import main as ct2_main
 
     tokenizer = AutoTokenizer.from_pretrained(DEMO_CHECKPOINT)
     config = FAT5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2,
@@ -155,7 +146,7 @@ def test_ct2_conversions_of_every_t5_variant_decode_as_pytorch(tmp_path, tied, s
 
 def test_ct2_refuses_what_ctranslate2s_t5_cannot_compute_in_one_line(tmp_path, capsys, tiny_config):
     pytest.importorskip("ctranslate2")
-    from convert.ct2_fat5 import main as ct2_main
+    from fat5.convert.ct2_fat5 import main as ct2_main
 
     refused = {"fire": dict(position_encoding_type="fire"), "scaled": dict(attention_scale=0.5)}
     for name, fields in refused.items():
@@ -179,7 +170,7 @@ def test_ct2_refuses_a_folder_whose_head_ctranslate2_has_not_in_one_line(demo_fa
     CTranslate2 for the decoder and LM head the folder does not have."""
     pytest.importorskip("ctranslate2")
     import fat5
-    from convert.ct2_fat5 import main as ct2_main
+    from fat5.convert.ct2_fat5 import main as ct2_main
 
     folder = tmp_path / "model"
     getattr(fat5, head).from_pretrained(demo_fat5).save_pretrained(folder)
@@ -198,7 +189,7 @@ def test_ct2_refuses_non_finite_weights_and_a_folder_without_tokenizer_in_one_li
     from safetensors.torch import load_file, save_file
 
     pytest.importorskip("ctranslate2")
-    from convert.ct2_fat5 import main as ct2_main
+    from fat5.convert.ct2_fat5 import main as ct2_main
 
     shutil.copytree(demo_fat5, tmp_path / "nan")
     weights = load_file(tmp_path / "nan" / "model.safetensors")

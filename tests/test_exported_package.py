@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
-from convert.flan_to_fat5 import main
 from fat5.compat_fat5 import TESTED_TRANSFORMERS
+from fat5.convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
+from fat5.convert.flan_to_fat5 import main
 from isolated import run_isolated
 
 CHILD = """

@@ -142,8 +142,8 @@ def test_a_static_cross_attention_cache_longer_than_the_encoder_input_gives_t5s_
     empty slots, which changes its logits, or fails on its mask's length when the batch is padded.)"""
     from transformers import EncoderDecoderCache, StaticCache, T5Config, T5ForConditionalGeneration
 
-    from convert.checkpoint import fat5_config_from_t5
     from fat5.compat_fat5 import CACHE_NAME
+    from fat5.convert.checkpoint import fat5_config_from_t5
 
     t5_config = T5Config(**{**TINY_CONFIG, "vocab_size": VOCAB}, decoder_start_token_id=0, pad_token_id=0,
                          eos_token_id=1, attn_implementation="eager")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE, tiny_config
-from convert.flan_to_fat5 import main as flan_to_fat5
+from fat5.convert.flan_to_fat5 import main as flan_to_fat5
 from fat5.kernels.flash_attention_t5 import flash_attention_t5
 from fat5.kernels.rms_norm import rms_norm
 from fat5.loss_fat5 import linear_cross_entropy

@@ -1,4 +1,4 @@
-"""convert.hub: the model card and the upload, without any network (HF_HUB_OFFLINE=1, HfApi mocked)."""
+"""fat5.convert.hub: the model card and the upload, without any network (HF_HUB_OFFLINE=1, HfApi mocked)."""
 
 import importlib.util
 import json
@@ -10,9 +10,9 @@ import pytest
 from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 
-from convert import hub
-from convert.demo import DEMO_CHECKPOINT
-from convert.hub import PushError, custom_pipelines_entry, push_to_hub, render_model_card, task_example
+from fat5.convert import hub
+from fat5.convert.demo import DEMO_CHECKPOINT
+from fat5.convert.hub import PushError, custom_pipelines_entry, push_to_hub, render_model_card, task_example
 from t5_checkpoints import make_t5_checkpoint
 
 CARD_ARGS = dict(
@@ -157,7 +157,7 @@ class FakeMetadata:
 
 def test_conversion_keeps_the_source_card_and_task_and_warns_without_a_tokenizer(tmp_path, capsys):
     """End to end: a tokenizer-less source with a card and task_specific_params."""
-    from convert.flan_to_fat5 import main
+    from fat5.convert.flan_to_fat5 import main
 
     src = make_t5_checkpoint("flan-t5", tmp_path / "src")
     config = json.loads((src / "config.json").read_text())

@@ -11,6 +11,7 @@ model code imports (a folder: the top file only) and refuses to load when one na
 import importlib.metadata
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +19,8 @@ from packaging.utils import canonicalize_name
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 from transformers.dynamic_module_utils import get_imports
 
-from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
-from convert.flan_to_fat5 import main as convert_main
+from fat5.convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
+from fat5.convert.flan_to_fat5 import main as convert_main
 from fat5.recipes import translation
 from fat5.recipes.runner import fine_tune
 from fat5.remote_code_fat5 import remote_code_files
@@ -56,12 +57,11 @@ def write_translation_data(path):
 
 
 @pytest.fixture(scope="module")
-def pushed(tmp_path_factory):
+def pushed(tmp_path_factory, demo_fat5):
     """(Hub cache, {kind: repo id}, {kind: folder}) for a converted model, one fine-tuned by a recipe, a LoRA
     adapter and its merged model, and a model pretrained from scratch, each published as OWNER/kind."""
     root = tmp_path_factory.mktemp("pushed")
-    folders = {"converted": root / "converted"}
-    assert convert_main([str(DEMO_CHECKPOINT), str(folders["converted"]), "--no-verify"]) == 0
+    folders = {"converted": Path(demo_fat5)}
     data = write_translation_data(root / "pairs.jsonl")
     flags = ["--train_file", data, "--source_column", "en", "--target_column", "xx", "--max_target_length", "16",
              "--report_to", "none", "--per_device_train_batch_size", "8", "--max_steps", "2", "--save_strategy",

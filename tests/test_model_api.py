@@ -7,9 +7,9 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, GenerationConfig
 
 import fat5
 from conftest import tiny_config
-from convert.checkpoint import convert_checkpoint
-from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
 from fat5 import FAT5ForConditionalGeneration, text2text_pipeline
+from fat5.convert.checkpoint import convert_checkpoint
+from fat5.convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
 from t5_checkpoints import padded_batch
 
 VOCAB = 101

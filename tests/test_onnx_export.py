@@ -6,6 +6,7 @@ optimum's exporter requires transformers < 4.58, so these tests run where `fat5[
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,17 +14,14 @@ import torch
 pytest.importorskip("optimum.exporters.onnx")
 pytest.importorskip("onnxruntime")
 
-from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS  # noqa: E402
-from convert.flan_to_fat5 import main as flan_to_fat5  # noqa: E402
-from convert.onnx_fat5 import main as onnx_fat5  # noqa: E402
+from fat5.convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS  # noqa: E402
+from fat5.convert.onnx_fat5 import main as onnx_fat5  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def exported(tmp_path_factory, demo_fat5):
     """The demo T5 converted to FAT5, and its ONNX export."""
-    root = tmp_path_factory.mktemp("onnx")
-    folder, out = root / "fat5", root / "onnx"
-    assert flan_to_fat5([str(DEMO_CHECKPOINT), str(folder), "--no-verify"]) == 0
+    folder, out = Path(demo_fat5), tmp_path_factory.mktemp("onnx") / "onnx"
     assert onnx_fat5([str(folder), str(out)]) == 0
     return folder, out
 

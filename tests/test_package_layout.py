@@ -123,9 +123,11 @@ def test_the_lazy_package_names_the_model_code_exports():
 
 def test_commands_and_training_never_reach_up_into_the_converter():
     """Nothing below imports from above: the model package, pretraining and the recipes use the command-line
-    convention of fat5/cli.py, never convert/ (the converter sits above them)."""
+    convention of fat5/cli.py, never fat5/convert/ (the converter sits above them), nor the shims of convert/."""
     for name in MODULES:
         assert "convert" not in imported_modules(name)[1], name
+        if not name.startswith("fat5.convert"):
+            assert not [module for module in imported_modules(name)[0] if module.startswith("fat5.convert")], name
 
 
 def test_command_line_modules_are_never_exported():

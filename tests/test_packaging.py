@@ -17,8 +17,8 @@ from fat5.cli import EXTRAS
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("fat5", "convert")
 # Read at run time, so in the wheel: the demo checkpoint, the model-card template, the recipes' configs.
-DATA_FILES = ["convert/model_card_template.md", *(f"convert/demo_t5/{path.name}" for path in
-                                                   (REPO / "convert" / "demo_t5").iterdir()),
+DATA_FILES = ["fat5/convert/model_card_template.md", *(f"fat5/convert/demo_t5/{path.name}" for path in
+                                                        (REPO / "fat5" / "convert" / "demo_t5").iterdir()),
               *(f"fat5/recipes/configs/{path.name}" for path in (REPO / "fat5" / "recipes" / "configs").iterdir())]
 # Distributions whose import name is not their name.
 DISTRIBUTION_OF = {"rouge_score": "rouge-score", "optimum": "optimum-onnx", "liger_kernel": "liger-kernel"}
@@ -76,7 +76,8 @@ def test_every_package_of_the_checkout_is_listed():
                for package in PACKAGES for path in (REPO / package).rglob("__init__.py")}
     wheel_packages = {name.rpartition("/")[0].replace("/", ".") for name in source_files()
                       if name.endswith("__init__.py")}
-    assert folders == wheel_packages == {"fat5", "fat5.kernels", "fat5.training", "fat5.recipes", "convert"}
+    assert folders == wheel_packages == {"fat5", "fat5.kernels", "fat5.training", "fat5.recipes", "fat5.convert",
+                                                  "convert"}
 
 
 def test_each_extra_installs_the_libraries_its_commands_name():

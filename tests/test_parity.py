@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import convert.export
-from convert.checkpoint import convert_checkpoint
-from convert.flan_to_fat5 import main
+import fat5.convert.export
+from fat5.convert.checkpoint import convert_checkpoint
+from fat5.convert.flan_to_fat5 import main
 from fat5.modeling_fat5 import FAT5ForConditionalGeneration
 from t5_checkpoints import FAMILIES, load_hf_reference, make_t5_checkpoint, padded_batch
 
@@ -114,14 +114,14 @@ def test_the_parity_proof_passes_a_correct_conversion_with_large_weights(kind, t
 def test_the_parity_proof_refuses_a_wrong_conversion(kind, wrong, tmp_path, capsys, monkeypatch):
     """One tensor written wrongly (off by 1e-3 of its values, swapped with another, a NaN) fails the proof: exit
     status 1, one line, nothing written."""
-    convert_tensors = convert.export.iter_converted_tensors
+    convert_tensors = fat5.convert.export.iter_converted_tensors
 
     def wrongly(plan, *args):
         tensors = dict(convert_tensors(plan, *args))
         WRONG[wrong](tensors)
         yield from tensors.items()
 
-    monkeypatch.setattr(convert.export, "iter_converted_tensors", wrongly)
+    monkeypatch.setattr(fat5.convert.export, "iter_converted_tensors", wrongly)
     assert main([str(source(kind, tmp_path)), str(tmp_path / "out")]) == 1
     error = capsys.readouterr().err.strip().splitlines()[-1]
     if wrong == "nan":
@@ -139,8 +139,8 @@ def test_the_proof_holds_one_model_at_a_time(tmp_path, capsys, monkeypatch):
     import gc
     import weakref
 
-    from convert import parity
-    from convert.checkpoint import load_source_model
+    from fat5.convert import parity
+    from fat5.convert.checkpoint import load_source_model
 
     src = make_t5_checkpoint("flan-t5", tmp_path / "flan")
     assert main([str(src), str(tmp_path / "out"), "--no-verify"]) == 0

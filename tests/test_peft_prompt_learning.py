@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM
 
-from convert.flan_to_fat5 import main as convert_main
 from fat5 import FAT5ForConditionalGeneration
 from fat5.compat_fat5 import cache_field, output_cache
+from fat5.convert.flan_to_fat5 import main as convert_main
 from t5_checkpoints import make_t5_checkpoint, padded_batch
 
 peft = pytest.importorskip("peft")

@@ -15,7 +15,7 @@ import torch
 import transformers
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, T5Config, T5ForConditionalGeneration, T5Tokenizer
 
-from convert.hub import custom_pipelines_entry
+from fat5.convert.hub import custom_pipelines_entry
 from fat5.pipeline_fat5 import FAT5Text2TextGenerationPipeline
 from isolated import run_isolated
 

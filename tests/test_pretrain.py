@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from convert.demo import DEMO_CHECKPOINT
-from convert.flan_to_fat5 import main as convert_main
 from fat5 import FAT5Config, FAT5ForConditionalGeneration
+from fat5.convert.demo import DEMO_CHECKPOINT
+from fat5.convert.flan_to_fat5 import main as convert_main
 from fat5.training.optim import AdamWScale
 from fat5.training.pretrain import main as pretrain_main
 from isolated import run_isolated

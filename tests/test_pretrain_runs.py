@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_pretrain import REPO, TINY, log_history, run_pretrain, write_corpus
 
-from convert.demo import DEMO_CHECKPOINT
+from fat5.convert.demo import DEMO_CHECKPOINT
 from fat5.training.pretrain import main as pretrain_main
 from fat5.training.run_folder import RECORD_NAME, read_record
 

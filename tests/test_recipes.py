@@ -102,15 +102,6 @@ def write(path, rows):
 
 
 @pytest.fixture(scope="session")
-def demo_fat5(tmp_path_factory):
-    """The bundled demo T5 converted to a FAT5 folder, as the README's quick start does."""
-    out = tmp_path_factory.mktemp("demo") / "fat5-demo"
-    subprocess.run([sys.executable, "-m", "convert.flan_to_fat5", str(REPO / "convert" / "demo_t5"), str(out),
-                    "--no-verify"], cwd=REPO, check=True, capture_output=True)
-    return str(out)
-
-
-@pytest.fixture(scope="session")
 def data(tmp_path_factory):
     folder = tmp_path_factory.mktemp("data")
     rng = random.Random(0)
@@ -237,7 +228,7 @@ def test_packing_trains_the_same_examples_in_fewer_rows_and_says_what_it_saved(d
 
 
 def test_packing_is_refused_in_one_line_where_examples_cannot_be_kept_apart(demo_fat5, data, tmp_path, capsys):
-    t5_folder = str(REPO / "convert" / "demo_t5")  # transformers' T5: no segment ids
+    t5_folder = str(REPO / "fat5" / "convert" / "demo_t5")  # transformers' T5: no segment ids
     recipe, args, _ = RECIPES["translation"](t5_folder, data, str(tmp_path / "t5"))
     line = error_line(capsys, translation.main, [*args, *TRAINER_FLAGS, "--do_train", "--packing"])
     assert line == ("error: --packing needs a FAT5 model, which keeps packed examples apart: "
@@ -340,12 +331,26 @@ def test_classification_both_heads_accuracy_in_fresh_process(demo_fat5, data, tm
     assert accuracy == pytest.approx(test_accuracy)
 
 
+@pytest.fixture(scope="module")
+def lora_run(demo_fat5, data, tmp_path_factory):
+    """name -> (trainer, output folder) of recipe `name` trained with --lora --merge_lora, once a module: the tests
+    read the folder."""
+    runs = {}
+
+    def run(name):
+        if name not in runs:
+            out = tmp_path_factory.mktemp(f"lora-{name}") / "out"
+            runs[name] = run_recipe(name, demo_fat5, data, out, "--lora", "--merge_lora", do=("--do_train",)), out
+        return runs[name]
+
+    return run
+
+
 # translation in the default tier, the other recipes in the slow one.
 @pytest.mark.parametrize("name", [name if name == "translation" else pytest.param(name, marks=pytest.mark.slow)
                                   for name in RECIPES])
-def test_lora_adapter_and_merged_folder(demo_fat5, data, tmp_path, name):
-    out = tmp_path / "out"
-    trainer = run_recipe(name, demo_fat5, data, out, "--lora", "--merge_lora", do=("--do_train",))
+def test_lora_adapter_and_merged_folder(demo_fat5, lora_run, name):
+    trainer, out = lora_run(name)
     assert_loss_falls(trainer)
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
     assert not (out / "model.safetensors").exists()
@@ -371,9 +376,8 @@ def test_lora_adapter_and_merged_folder(demo_fat5, data, tmp_path, name):
 
 
 @pytest.mark.slow
-def test_merged_lora_folder_serves_pipeline_in_fresh_process(demo_fat5, data, tmp_path):
-    out = tmp_path / "out"
-    run_recipe("classify_text", demo_fat5, data, out, "--lora", "--merge_lora", do=("--do_train",))
+def test_merged_lora_folder_serves_pipeline_in_fresh_process(lora_run, data, tmp_path):
+    _, out = lora_run("classify_text")  # the run test_lora_adapter_and_merged_folder checks
     rows = [json.loads(line) for line in Path(data["nli_test"]).read_text().splitlines()]
     accuracy = isolated_accuracy(str(out / "merged"), rows, "text2text-generation", tmp_path)
     assert 0 <= accuracy <= 1

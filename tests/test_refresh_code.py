@@ -6,12 +6,12 @@ from unittest import mock
 
 import pytest
 
-import convert.refresh_code
-from convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
-from convert.flan_to_fat5 import main as convert_main
-from convert.refresh_code import main
+import fat5.convert.refresh_code
 from fat5.cli import CheckFailed
 from fat5.compat_fat5 import TESTED_TRANSFORMERS
+from fat5.convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
+from fat5.convert.flan_to_fat5 import main as convert_main
+from fat5.convert.refresh_code import main
 from fat5.remote_code_fat5 import flatten_imports, remote_code_files
 from isolated import run_isolated
 
@@ -74,7 +74,7 @@ def test_refresh_gives_the_folder_this_code_and_keeps_everything_else(old_folder
 
 def test_a_folder_that_fails_its_check_is_left_as_it_was(old_folder):
     before = {path.name: path.read_bytes() for path in old_folder.iterdir()}
-    with mock.patch.object(convert.refresh_code, "check_folder",
+    with mock.patch.object(fat5.convert.refresh_code, "check_folder",
                            side_effect=CheckFailed("generation check failed: x")):
         assert main([str(old_folder)]) == 1
     assert {path.name: path.read_bytes() for path in old_folder.iterdir()} == before

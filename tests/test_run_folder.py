@@ -1,6 +1,6 @@
 """The run folder (fat5/training/run_folder.py): one run per output folder, a lock for the run's lifetime (tested
 across two processes), atomic checkpoints marked with the run's id, `latest` resuming only a complete checkpoint
-of this run, interrupted saves cleaned by the next run, and --save_total_limit limited to this run's checkpoints.
+of this run, interrupted saves cleaned by the next run, and --save_total_limit left to Trainer's own rotation.
 A tiny torch module stands in for the model: the machinery is Trainer's, whatever the model."""
 
 import json
@@ -10,7 +10,6 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ from fat5.cli import CommandError, TrainingDiverged
 from fat5.training.run_folder import (
     LOCK_NAME,
     RECORD_NAME,
-    CheckpointMarks,
     RunFolder,
     RunFolderArguments,
     RunFolderTrainerMixin,
@@ -67,7 +65,8 @@ def train(folder, steps, resume=None, save_total_limit=None, trainer_class=RunTr
                         report_to="none", disable_tqdm=True, use_cpu=True, save_total_limit=save_total_limit,
                         learning_rate=0.1, lr_scheduler_type="constant", logging_steps=1, dataloader_pin_memory=False,
                         **more)
-    trainer = trainer_class(model=model or TinyRegression(), args=args, train_dataset=Examples())
+    trainer = trainer_class(model=model or TinyRegression(), args=args, train_dataset=Examples(),
+                            eval_dataset=Examples() if args.eval_strategy != "no" else None)
     for callback in callbacks:  # after the run folder's
         trainer.add_callback(callback)
     trainer.train(resume_from_checkpoint=resume)
@@ -169,15 +168,22 @@ def test_an_interrupted_checkpoint_is_never_resumed_and_is_cleaned(tmp_path, mon
         assert sorted(path.name for path in out.iterdir() if "checkpoint" in path.name) == ["checkpoint-2"]
 
 
-def test_save_total_limit_keeps_other_runs_checkpoints(tmp_path):
+def test_save_total_limit_is_trainers_and_another_runs_checkpoint_is_never_resumed(tmp_path):
+    """Trainer rotates with the limit the user gives (every checkpoint-* folder counts, as transformers documents);
+    the newest is kept and marked, and a checkpoint with another run's mark is never this run's to resume."""
     out = tmp_path / "run"
-    with RunFolder(out).opened():
-        foreign = out / "checkpoint-1"
+    foreign = out / "checkpoint-1"
+    with RunFolder(out).opened() as run_folder:
         foreign.mkdir()
         (foreign / RECORD_NAME).write_text(json.dumps({"run": "another", "step": 1}))
-        train(out, 6, save_total_limit=1)
-    assert sorted(path.name for path in out.iterdir() if path.name.startswith("checkpoint")) == [
-        "checkpoint-1", "checkpoint-6"]
+        trainer = train(out, 6, save_total_limit=1)
+    assert trainer.args.save_total_limit == 1
+    assert sorted(path.name for path in out.iterdir() if path.name.startswith("checkpoint")) == ["checkpoint-6"]
+    assert [path.name for path in complete_checkpoints(out, run_folder.run_id)] == ["checkpoint-6"]
+    foreign.mkdir()
+    (foreign / RECORD_NAME).write_text(json.dumps({"run": "another", "step": 1}))
+    with pytest.raises(CommandError, match="is not a complete checkpoint of the run"):
+        RunFolder(out, foreign).open()
 
 
 LOCK_HOLDER = """
@@ -499,19 +505,14 @@ def test_a_run_resumed_from_an_earlier_checkpoint_replaces_the_later_ones_whole(
 
 
 def test_save_total_limit_keeps_the_checkpoint_just_saved_and_the_best(tmp_path):
+    """--load_best_model_at_end with a limit of 2: Trainer keeps the best checkpoint (the first: the largest loss
+    is asked for) and the one just saved, not checkpoint-4, and both are this run's complete checkpoints."""
     out = tmp_path / "run"
     with RunFolder(out).opened() as run_folder:
-        pass
-    for saved, step in enumerate((2, 4, 6, 8, 3), 1):  # checkpoint-3 saved last (a resume from checkpoint-2)
-        (out / f"checkpoint-{step}").mkdir()
-        (out / f"checkpoint-{step}" / RECORD_NAME).write_text(json.dumps({"run": run_folder.run_id, "step": step,
-                                                                          "saved": saved}))
-    marks = CheckpointMarks(SimpleNamespace(args=SimpleNamespace(save_total_limit=2)))
-    marks.rotate(out, run_folder.run_id, str(out / "checkpoint-4"))
-    assert [path.name for path in complete_checkpoints(out, run_folder.run_id)] == ["checkpoint-4", "checkpoint-3"]
-    marks.limit = 1
-    marks.rotate(out, run_folder.run_id, None)
-    assert sorted(os.listdir(out)) == [LOCK_NAME, "checkpoint-3", RECORD_NAME]
+        train(out, 6, save_total_limit=2, eval_strategy="steps", eval_steps=2, label_names=["y"],
+              load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True)
+    assert sorted(os.listdir(out)) == [LOCK_NAME, "checkpoint-2", "checkpoint-6", RECORD_NAME]
+    assert [path.name for path in complete_checkpoints(out, run_folder.run_id)] == ["checkpoint-2", "checkpoint-6"]
 
 
 # -- non-finite values ------------------------------------------------------------------------------------------------

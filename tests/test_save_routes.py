@@ -10,8 +10,8 @@ import torch
 from transformers import AutoTokenizer
 
 from conftest import tiny_config
-from convert.demo import DEMO_CHECKPOINT
 from fat5 import FAT5Config, FAT5ForConditionalGeneration
+from fat5.convert.demo import DEMO_CHECKPOINT
 from fat5.remote_code_fat5 import AUTO_MAP, remote_code_files
 from isolated import run_isolated
 
@@ -185,7 +185,7 @@ def test_resaving_keeps_other_files_and_drops_stale_shards(tmp_path):
 
 
 def test_the_converter_exports_the_same_file_list():
-    from convert import export
+    from fat5.convert import export
 
     assert export.write_remote_code.__module__ == "fat5.remote_code_fat5"
     flat = remote_code_files()

@@ -353,7 +353,7 @@ def test_encoder_exports_to_onnx_with_the_torchscript_exporter(tmp_path):
 def seq2seq_folder(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from convert.demo import DEMO_CHECKPOINT
+    from fat5.convert.demo import DEMO_CHECKPOINT
 
     folder = tmp_path_factory.mktemp("seq2seq")
     build(FAT5ForConditionalGeneration, vocab_size=AutoTokenizer.from_pretrained(DEMO_CHECKPOINT).vocab_size + 28

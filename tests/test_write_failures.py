@@ -17,9 +17,9 @@ import torch
 from safetensors import SafetensorError
 from test_pretrain import TINY, log_history, write_corpus
 
-import convert.export
-from convert import fat5_to_t5, flan_to_fat5
-from convert.demo import DEMO_CHECKPOINT
+import fat5.convert.export
+from fat5.convert import fat5_to_t5, flan_to_fat5
+from fat5.convert.demo import DEMO_CHECKPOINT
 from fat5.recipes import train
 from fat5.training import pretrain
 
@@ -57,13 +57,6 @@ def one_error_line(capsys, main, argv):
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "%|" not in line]  # no bars
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     return lines[0]
-
-
-@pytest.fixture(scope="module")
-def demo_fat5(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("demo") / "fat5"
-    assert flan_to_fat5.main([str(DEMO_CHECKPOINT), str(folder), "--no-verify"]) == 0
-    return folder
 
 
 # -- pretraining --------------------------------------------------------------------------------------------------
@@ -134,7 +127,7 @@ def test_the_converters_output_on_a_full_disk(demo_fat5, tmp_path, capsys, monke
         raise disk_full_in_open_or_write()
 
     out = tmp_path / "out"
-    monkeypatch.setattr(convert.export, "write_remote_code", full)
+    monkeypatch.setattr(fat5.convert.export, "write_remote_code", full)
     line = one_error_line(capsys, flan_to_fat5.main, [DEMO_CHECKPOINT, out])
     assert line == f"error: writing {out} failed (No space left on device); nothing was written to {out}"
     out.mkdir()
@@ -144,7 +137,7 @@ def test_the_converters_output_on_a_full_disk(demo_fat5, tmp_path, capsys, monke
                    f"intact)"
     assert [path.name for path in out.iterdir()] == ["mine.txt"]
 
-    monkeypatch.setattr(convert.export, "copy_side_files", full)
+    monkeypatch.setattr(fat5.convert.export, "copy_side_files", full)
     back = tmp_path / "back"
     line = one_error_line(capsys, fat5_to_t5.main, [demo_fat5, back])
     assert line == f"error: writing {back} failed (No space left on device); nothing was written to {back}"

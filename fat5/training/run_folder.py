@@ -53,8 +53,7 @@ What it guarantees:
   checkpoint-N without this run's mark (a save cut short, a foreign copy) is never resumed from and is removed by the
   next run on the folder. A save that fails (a full disk) ends the run with one line naming the checkpoint, and
   what Trainer wrote of it is removed.
-- `--save_total_limit` rotates only this run's complete checkpoints (the oldest saved first; never the one just
-  saved, nor the best), after the new one is marked.
+- `--save_total_limit` is Trainer's own rotation (the newest checkpoint and the best kept), as the user gives it.
 - A resume from an earlier checkpoint replaces the later ones as it reaches their steps, each removed whole before
   the new one is written; `latest` is the checkpoint saved last.
 - With --overwrite_output_dir, a resume from the folder (`latest`, one of its checkpoints) is refused in one line,
@@ -506,7 +505,7 @@ def _main_process_first(training_args):
 
 class RunFolderTrainerMixin:
     """Mixin for transformers' Trainer (``class MyTrainer(RunFolderTrainerMixin, Trainer)``): adds the run folder's
-    `CheckpointMarks` callback (checkpoints marked complete, rotated among this run's, a failed save named) and
+    `CheckpointMarks` callback (checkpoints marked complete, a failed save named) and
     `NonFiniteStop` (a run never trains on, nor saves, non-finite values unless --allow_non_finite). Overrides no
     Trainer method but the public `train`, which it wraps to name a checkpoint that cannot be written."""
 
@@ -545,18 +544,11 @@ class CheckpointMarks(TrainerCallback):
 
     Resuming from an earlier checkpoint than the last, the run saves again at steps it had saved before: the old
     checkpoint-N is removed just before Trainer writes the new one (whole, never mixed with the new files), and
-    `latest` is the last checkpoint saved, not the highest step.
-
-    --save_total_limit is applied here, after the mark, among this run's complete checkpoints only: the oldest
-    saved first, never the one just saved nor the best (--load_best_model_at_end), so never the last one a resume
-    would start from. Trainer's own rotation, which would delete any checkpoint-* folder, half deleted if cut
-    short, is turned off by giving Trainer no limit (its `save_total_limit` is read here once and set to None).
+    `latest` is the last checkpoint saved, not the highest step. --save_total_limit is Trainer's own rotation.
     """
 
     def __init__(self, trainer):
         self.trainer = trainer
-        self.limit = trainer.args.save_total_limit
-        trainer.args.save_total_limit = None
         self.saving = None  # the checkpoint Trainer is about to write, or writing (its name)
 
     def run_dir(self, args):
@@ -599,24 +591,15 @@ class CheckpointMarks(TrainerCallback):
             return
         run_dir = self.run_dir(args)
         checkpoint = run_dir / f"checkpoint-{state.global_step}"
+        if not checkpoint.is_dir():  # Trainer's rotation removed it (a limit below the later steps of a resume)
+            return
         run_id = (read_record(run_dir) or {}).get("run")
         marked = complete_checkpoints(run_dir, run_id)
         order = 1 + max((read_record(path).get("saved", 0) for path in marked), default=0)
         fsync_tree(checkpoint)
         _write_json_atomically(checkpoint / RECORD_NAME, {"run": run_id, "step": state.global_step, "saved": order,
                                                           **self.trainer.checkpoint_mark()})
-        self.rotate(run_dir, run_id, state.best_model_checkpoint)
         update_record(run_dir)  # what this run wrote so far, should it be killed
-
-    def rotate(self, run_dir, run_id, best):
-        if not self.limit or self.limit <= 0:
-            return
-        checkpoints = complete_checkpoints(run_dir, run_id)  # the one just saved last
-        kept = {checkpoints[-1].name, Path(best).name if best else None}
-        removable = [path for path in checkpoints if path.name not in kept]
-        excess = len(checkpoints) - max(self.limit, len(kept & {path.name for path in checkpoints}))
-        for path in removable[:max(excess, 0)]:
-            remove_folder(path)
 
     @contextmanager
     def failed_save_reported(self):

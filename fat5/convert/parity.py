@@ -188,7 +188,7 @@ def load_fat5(folder, dtype=None):
 def verify_parity(source_folder, folder, dtype, load_reference=None):
     """T5 -> FAT5: the FAT5 folder written at `folder` against the model of `source_folder`: transformers' T5, or
     what `load_reference(source_folder, dtype)` returns (flashT5's, see convert/flasht5_reference.py)."""
-    from convert.checkpoint import load_source_model
+    from fat5.convert.checkpoint import load_source_model
 
     return prove_parity(lambda: (load_reference or load_source_model)(source_folder, dtype=dtype),
                         lambda: load_fat5(folder, dtype), folder, check_generation=True)
@@ -198,7 +198,7 @@ def verify_back_parity(fat5_folder, folder):
     """FAT5 -> T5: the checkpoint written at `folder`, loaded by plain transformers, against the FAT5 model."""
     from transformers import AutoModelForSeq2SeqLM
 
-    from convert.checkpoint import untied_warning_silenced
+    from fat5.convert.checkpoint import untied_warning_silenced
 
     def load_written():
         with untied_warning_silenced():

@@ -22,7 +22,9 @@ import re
 
 import torch
 
-from convert.checkpoint import (
+from fat5.cli import error_line
+from fat5.configuration_fat5 import FAT5Config
+from fat5.convert.checkpoint import (
     EMBEDDING_COPIES,
     UNUSED_SOURCE_TENSORS,
     ConversionError,
@@ -32,9 +34,7 @@ from convert.checkpoint import (
     model_shapes,
     read_config,
 )
-from convert.flasht5_reference import FlashT5Reference
-from fat5.cli import error_line
-from fat5.configuration_fat5 import FAT5Config
+from fat5.convert.flasht5_reference import FlashT5Reference
 from fat5.modeling_fat5 import FAT5ForConditionalGeneration
 
 MODEL_TYPE = "flash_t5"
@@ -221,7 +221,7 @@ def product(first, second):
 class FlashT5Tensors:
     """A flashT5 checkpoint's tensors under FAT5's names (the embed_tokens aliases of shared.weight, and the table
     transformers' T5 never uses, under their own), FIRE's translated: the TensorSource interface
-    `convert.checkpoint` checks and the exporter reads. A tensor flashT5 does not have is refused by name."""
+    `fat5.convert.checkpoint` checks and the exporter reads. A tensor flashT5 does not have is refused by name."""
 
     def __init__(self, source):
         self.source = source

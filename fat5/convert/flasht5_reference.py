@@ -1,5 +1,5 @@
 """flashT5's forward in plain torch, over a flashT5 checkpoint's own tensor names and config.json: the model the
-converter's parity proof compares a converted folder with (`convert.checkpoint.load_source_model`).
+converter's parity proof compares a converted folder with (`fat5.convert.checkpoint.load_source_model`).
 
 flashT5's code cannot run where the converter runs (its RoPE needs flash_attn's CUDA kernels, its model fails on
 transformers 5, and running a checkpoint's remote code is not the converter's business), so its semantics are
@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from convert.checkpoint import TensorSource
 from fat5.attention_fat5 import alibi_slopes
+from fat5.convert.checkpoint import TensorSource
 from fat5.files import read_json_object
 from fat5.reference_fat5 import relative_position_bucket, t5_rms_norm
 
@@ -31,7 +31,7 @@ class FlashT5Reference:
     with labels, `.loss` (flashT5's: cross-entropy with label smoothing plus z-loss, over labelled tokens)."""
 
     def __init__(self, settings, tensors):
-        """`settings`: the checkpoint's config.json over FlashT5Config's defaults (convert.flasht5.DEFAULTS);
+        """`settings`: the checkpoint's config.json over FlashT5Config's defaults (fat5.convert.flasht5.DEFAULTS);
         `tensors`: its state dict."""
         self.settings = settings
         self.tensors = tensors

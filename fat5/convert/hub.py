@@ -17,9 +17,9 @@ import huggingface_hub
 from huggingface_hub import HfApi, ModelCard, ModelCardData
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 
-from convert.parity import PARITY_TEXTS
 from fat5.cli import CommandError, error_line
 from fat5.compat_fat5 import TESTED_TRANSFORMERS
+from fat5.convert.parity import PARITY_TEXTS
 from fat5.remote_code_fat5 import PIPELINE_TASK, custom_pipelines_entry  # noqa: F401  (re-exported)
 
 MODEL_CARD_TEMPLATE = Path(__file__).resolve().parent / "model_card_template.md"

@@ -12,10 +12,10 @@ import transformers
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PretrainedConfig
 
-from convert.checkpoint import SAFETENSORS_DTYPES, iter_converted_tensors
-from convert.hub import render_model_card, task_example
-from convert.parity import verify_parity
 from fat5.cli import CommandError, error_line, write_failures_reported
+from fat5.convert.checkpoint import SAFETENSORS_DTYPES, iter_converted_tensors
+from fat5.convert.hub import render_model_card, task_example
+from fat5.convert.parity import verify_parity
 from fat5.files import check_model_folder, holds_tokenizer, printable, read_text
 from fat5.remote_code_fat5 import mark_as_package, write_remote_code
 
@@ -180,9 +180,9 @@ def check_card_renders(card):
 def export(plan, source_folder, output, *, dtype=None, attention_backend="auto", max_shard_size="5GB",
            verify=True, allow_non_finite=False, base_model=None, source_name=None, convert_command=None,
            repo_id=None, example=None):
-    """Write the FAT5 folder for `plan` through `output` (a convert.safety.AtomicOutput): it appears complete
+    """Write the FAT5 folder for `plan` through `output` (a fat5.convert.safety.AtomicOutput): it appears complete
     and verified, or not at all. Returns (max |logits difference|, sample description), or (None, None).
-    `example`: the model card's example (convert.hub.task_example's dict, plus the `output` the model gives), when
+    `example`: the model card's example (fat5.convert.hub.task_example's dict, plus the `output` the model gives), when
     the caller knows a better one than the config's task."""
     max_bytes = parse_size(max_shard_size)
     metadata = validate_side_files(source_folder)

@@ -35,7 +35,8 @@ def test_ci_exits_with_the_background_checks_status_after_printing_its_log(tmp_p
     assert output.index("the tiers ran") < output.index("stand-in torch check")
     # Each stage's minutes, and the whole run's, in the figures file.
     figures = (tmp_path / ".ci" / "figures.md").read_text()
-    assert re.search(r"^- the tiers: 0\.\d min$", figures, re.M) and re.search(r"^- all: 0\.\d min", figures, re.M)
+    assert re.search(r"^- the tiers: 0\.\d min, \S+ of disk free$", figures, re.M)
+    assert re.search(r"^- all: 0\.\d min", figures, re.M)
 
 
 def test_a_failing_stage_fails_ci_and_stops_the_background_check(tmp_path):

@@ -1,14 +1,11 @@
 """The backends' adapters: everything between a layer's q, k, v and the attention's output, for each backend.
 
 Backends: "eager" (the plain-torch reference of `reference_fat5`, the only one that gives weights), "sdpa" (torch's
-scaled_dot_product_attention) and "triton" (the flash-attention kernel of `kernels/flash_attention_t5.py`, padded or
-packed, and the decode kernel; this is the only model module that imports `kernels/`). Which one runs is chosen by
-`attention_select_fat5`, once per stack forward, which asks the backend's `PREPARE` function for its `AttentionPlan`:
-the key masks in the backend's one form, and how a T5 table becomes its bias (the kernel's lookup table, SDPA's
-dense mask, the table itself for eager), built once by the stack's first block and handed on to the others.
-
-Every backend receives q, k, v and the *small* position-encoding parameters (the T5 bucket table,
-ALiBi slopes) instead of a dense (L, L) bias, so a kernel can compute the bias on the fly.
+scaled_dot_product_attention) and "triton" (the flash-attention and decode kernels of `kernels/`, padded or packed;
+this is the only model module that imports `kernels/`). For the backend `attention_select_fat5` chooses, `PREPARE`
+builds once a stack forward an `AttentionPlan`: the key masks in the backend's one form, and how a T5 table becomes
+its bias (the kernel's lookup table, SDPA's dense mask, the table itself for eager). A kernel gets the *small*
+position parameters (T5 table, ALiBi slopes), never a dense (L, L) bias: it computes the bias on the fly.
 
 Shared contract (all backends; `ATTENTION_FUNCTIONS` take the segment ids as one `segments`, a PackedSegments):
     query (B, H, Lq, D), key / value (B, H, Lk, D) -> output (B, H, Lq, D)
@@ -109,11 +106,7 @@ def eager_attention_forward(query, key, value, *, segments=None, output_attentio
 
 def prepare_eager(function, query_length, key_length, dtype, device, contract, t5):
     """The eager plan: the contract as it is, the T5 table as its bias."""
-    return AttentionPlan(function, contract, "bias_table", _same if t5 else None)
-
-
-def _same(table):
-    return table
+    return AttentionPlan(function, contract, "bias_table", (lambda table: table) if t5 else None)
 
 
 # ---- sdpa: one additive mask (bias and visibility) and the rows that see a key ----------------------------------
@@ -191,23 +184,20 @@ def sdpa_attention(query, key, value, *, query_segment_ids=None, key_segment_ids
 
 def prepare_sdpa(function, query_length, key_length, dtype, device, contract, t5):
     """The SDPA plan: its mask built once (with the T5 table's bias by `prepare_bias`, the stack's first block)."""
-    options = dict(scale=contract["scale"])
     if not t5:
         return AttentionPlan(sdpa_prepared, {**sdpa_inputs(query_length, key_length, dtype, device, **contract),
-                                             **options})
+                                             "scale": contract["scale"]})
     visible, seen = _sdpa_visibility(query_length, key_length, device, contract["key_padding_mask"],
                                      contract["causal"], contract["q_offset"], contract["segments"])
-    prepare = functools.partial(_sdpa_t5_mask, visible=visible, dtype=dtype, query_length=query_length,
-                                key_length=key_length, **{name: contract[name] for name in (
-                                    "bidirectional", "num_buckets", "max_distance", "alibi_slopes", "position_bias",
-                                    "q_offset")})
-    return AttentionPlan(sdpa_prepared, dict(attn_mask=None, seen=seen, is_causal=False, **options), "attn_mask",
-                         prepare)
+    options = {name: contract[name] for name in ("bidirectional", "num_buckets", "max_distance", "alibi_slopes",
+                                                  "position_bias", "q_offset")}
 
+    def prepare(table):
+        return _sdpa_mask(dense_bias(query_length, key_length, bias_table=table, device=device, **options), visible,
+                          dtype)
 
-def _sdpa_t5_mask(bias_table, *, visible, dtype, query_length, key_length, **options):
-    bias = dense_bias(query_length, key_length, bias_table=bias_table, device=bias_table.device, **options)
-    return _sdpa_mask(bias, visible, dtype)
+    return AttentionPlan(sdpa_prepared, dict(attn_mask=None, seen=seen, is_causal=False, scale=contract["scale"]),
+                         "attn_mask", prepare)
 
 
 # ---- triton: the flash-attention and decode kernels --------------------------------------------------------------
@@ -274,8 +264,11 @@ def triton_attention_forward(query, key, value, *, segments=None, output_attenti
         kwargs["bias_lut"] = relative_bias_lut(table, kwargs["bidirectional"], kwargs["num_buckets"],
                                                kwargs["max_distance"])
     key_mask = kwargs.pop("key_mask", None)
-    if decode:
-        return decode_attention_forward(query, key, value, **kwargs), None
+    if decode:  # split over the cached keys; a static cache's offset stays a device tensor, read by the kernel
+        from .kernels.decode_attention_t5 import decode_attention_t5
+
+        kwargs.pop("dropout_p", None)
+        return decode_attention_t5(query, key, value, **kwargs), None
     if isinstance(kwargs["q_offset"], torch.Tensor):
         # A static cache's counter in a prefill (more than DECODE_MAX_QUERIES rows): the kernel takes a scalar.
         kwargs["q_offset"] = int(kwargs["q_offset"])
@@ -321,13 +314,6 @@ def is_decode_step(query, key, value, kwargs):
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (
         query, key, value, kwargs.get("bias_table"), kwargs.get("bias_lut"))))
 
-
-def decode_attention_forward(query, key, value, *, dropout_p=0.0, **kwargs):
-    """One decode step on the decode kernel (split over the cached keys); a static cache's offset stays a device
-    tensor, read by the kernel: no host synchronisation."""
-    from .kernels.decode_attention_t5 import decode_attention_t5
-
-    return decode_attention_t5(query, key, value, **kwargs)
 
 
 

@@ -69,9 +69,6 @@ def _backend_with_weights(config):
 # packed rows' PackedSegments, and `output_attentions`) and returns (output, weights).
 ATTENTION_FUNCTIONS = {"eager": eager_attention_forward, "sdpa": sdpa_attention_forward,
                        "triton": triton_attention_forward}
-# The guarded kernel of "auto" (falling back to SDPA) and of "triton" (raising), built once.
-_GUARDED_KERNEL = {fallback: functools.partial(guarded_triton_attention_forward, fallback=fallback)
-                   for fallback in (True, False)}
 
 
 def attention_plan(config, device, dtype, head_dim, query_length, key_length, *, t5=False, output_attentions=False,
@@ -82,6 +79,7 @@ def attention_plan(config, device, dtype, head_dim, query_length, key_length, *,
     backend = select_attention_backend(config, device, head_dim, contract["position_bias"] is not None)
     if output_attentions:
         backend = _backend_with_weights(config)  # only the eager reference materialises the probabilities
-    function = _GUARDED_KERNEL[config.attention_backend == "auto"] if backend == "triton" \
-        else ATTENTION_FUNCTIONS[backend]
+    function = ATTENTION_FUNCTIONS[backend]
+    if backend == "triton":  # the kernel where it cannot fail a run: "auto" falls back to SDPA, "triton" raises
+        function = functools.partial(guarded_triton_attention_forward, fallback=config.attention_backend == "auto")
     return PREPARE[backend](function, query_length, key_length, dtype, device, contract, t5)

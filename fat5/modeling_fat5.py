@@ -739,14 +739,12 @@ class FAT5Stack(FAT5PreTrainedModel):
                 position, dtype, device, query_length, cross_length, encoder_key_padding_mask, output_attentions)
         return PositionInputs(**fields)
 
-    def _query_dtype(self, hidden_states):
-        """The dtype of the attention's queries: autocast's, or that of the q projection's weight."""
-        if torch.is_autocast_enabled(hidden_states.device.type):
-            return torch.get_autocast_dtype(hidden_states.device.type)
-        weight = self.block[0].layer[0].SelfAttention.q.weight if len(self.block) else None
-        if isinstance(weight, torch.Tensor) and weight.is_floating_point():
-            return weight.dtype
-        return hidden_states.dtype
+    def _query_dtype(self, states):
+        """The attention's queries' dtype: autocast's, or the q projection's (its input's where it is quantized)."""
+        if torch.is_autocast_enabled(states.device.type):
+            return torch.get_autocast_dtype(states.device.type)
+        weight = getattr(self.block[0].layer[0].SelfAttention.q, "weight", None) if len(self.block) else None
+        return weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else states.dtype
 
     def _rotary(self, positions, device):
         """RoPE's cos, sin for (L,) positions: (L, D); for a packed batch's (B, L) ones: (B, 1, L, D), against

@@ -226,3 +226,34 @@ def test_a_decode_step_is_a_variant_of_its_own(monkeypatch, caplog):
         full, _ = guarded_triton_attention_forward(q, k, v, fallback=True, **options)
     assert forward.launches >= 2 and len(warnings_of(caplog)) == 1  # checked, then run: the kernel's own output
     torch.testing.assert_close(full, sdpa_result((q, k, v), options)[0])
+
+
+def test_a_model_whose_kernel_falls_back_computes_sdpas_values_from_the_shared_inputs(monkeypatch, caplog):
+    """In a model the layers hand the guarded kernel the stack's shared inputs (the T5 table's lookup table, the
+    additive key mask): where the kernel fails, SDPA computes from them what the SDPA backend computes, the tables'
+    gradients included."""
+    from conftest import tiny_config
+    from fat5 import attention_select_fat5
+    from fat5.modeling_fat5 import FAT5ForConditionalGeneration
+
+    monkeypatch.setattr(kernel_module, "_forward_kernel", _Launch(None, OutOfResources(106624, 101376, "shared")))
+    monkeypatch.setattr(attention_select_fat5, "select_attention_backend",  # "auto" as on CUDA
+                        lambda config, *args: "triton" if config.attention_backend == "auto" else "sdpa")
+    torch.manual_seed(0)
+    model = FAT5ForConditionalGeneration(tiny_config(d_kv=32, num_heads=2, attention_backend="auto")).train()
+    mask = torch.ones(2, 21, dtype=torch.long)
+    mask[1, 15:] = 0
+    batch = dict(input_ids=torch.randint(2, 101, (2, 21)), attention_mask=mask, labels=torch.randint(2, 101, (2, 9)))
+    results = []
+    for backend in ("auto", "sdpa"):
+        model.config.attention_backend = backend
+        model.zero_grad()
+        with caplog.at_level(logging.WARNING):
+            loss = model(**batch).loss
+        loss.backward()
+        results.append((loss, [p.grad.clone() for name, p in model.named_parameters() if "relative" in name]))
+    assert warnings_of(caplog) and all("SDPA" in warning for warning in warnings_of(caplog))
+    (loss, grads), (expected, expected_grads) = results
+    torch.testing.assert_close(loss, expected)
+    for grad, reference in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, reference)

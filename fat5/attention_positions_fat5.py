@@ -87,6 +87,34 @@ def apply_rotary(x, cos, sin, interleaved=False):
     return rotated if dim == x.shape[-1] else torch.cat((rotated, x[..., dim:]), dim=-1)
 
 
+def position_encoding(config, query_length, key_length, q_offset, device, positions=None, cross_segments=None,
+                      encoder_length=None, fire=None):
+    """The `PositionInputs` fields of the config's position encoding for one stack forward: ALiBi's slopes, a dense
+    bias (asymmetric ALiBi's, or FIRE's from the stack's `fire` module), RoPE's rotations (the encoder keys' too,
+    `rope_cross_attention`, given the cross-attention's `encoder_length`). `positions` (B, L): per-segment positions
+    of a packed batch (T5 and ALiBi need none: see `attention_fat5`)."""
+    kind = config.position_encoding_type
+    if kind == "alibi" and config.alibi_mode == "asymmetric":
+        return {"position_bias": asymmetric_alibi_bias(config.num_heads, query_length, key_length, q_offset, device)}
+    if kind == "alibi":
+        return {"alibi_slopes": alibi_slopes(config.num_heads, device)}
+    if kind == "fire" and fire is not None:
+        return {"position_bias": fire(query_length, key_length, q_offset, device, positions)}
+    if kind != "rope":
+        return {}
+
+    def rotary(positions):  # (L, D) for (L,) positions; (B, 1, L, D) against (B, H, L, D) states for (B, L) ones
+        cos, sin = rotary_cos_sin(positions, config.rotary_dim, config.rope_theta, device, config.rope_interleaved)
+        return (cos, sin) if positions.dim() == 1 else (cos[:, None], sin[:, None])
+
+    fields = {"rotary": rotary(torch.arange(query_length, device=device) + q_offset if positions is None
+                               else positions)}
+    if config.rope_cross_attention and encoder_length is not None:
+        fields["cross_rotary"] = rotary(torch.arange(encoder_length, device=device) if cross_segments is None
+                                        else segment_positions(cross_segments.key_segment_ids))
+    return fields
+
+
 @dataclasses.dataclass(frozen=True)
 class PositionInputs:
     """What one stack forward builds once and hands its layers: the position parameters (never an (L, L) T5 bias:

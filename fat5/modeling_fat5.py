@@ -32,14 +32,7 @@ from transformers.modeling_outputs import (
 from transformers.utils import DUMMY_INPUTS, DUMMY_MASK
 
 from .attention_fat5 import PackedSegments, triton_installed
-from .attention_positions_fat5 import (
-    PositionInputs,
-    alibi_slopes,
-    apply_rotary,
-    asymmetric_alibi_bias,
-    rotary_cos_sin,
-    segment_positions,
-)
+from .attention_positions_fat5 import PositionInputs, apply_rotary, position_encoding, segment_positions
 from .attention_select_fat5 import attention_plan
 from .compat_fat5 import (
     HAS_GENERIC_GET_ENCODER,
@@ -702,30 +695,14 @@ class FAT5Stack(FAT5PreTrainedModel):
 
     def _position_inputs(self, query_length, key_length, q_offset, device, positions=None, segments=None,
                          cross_segments=None, encoder_length=None, masks=None):
-        """What one forward builds once for all its layers: small position parameters (never an (L, L) T5 bias)
-        and, given `masks`, the plans of its attentions. `positions` (B, L): per-segment positions of a packed batch
-        (T5 and ALiBi need none: see `attention_fat5`). `encoder_length`: the cross-attention's key count, when the
-        decoder attends to an encoder. `masks`: (self-attention key mask, cross-attention key mask and key count,
-        output_attentions, the queries' dtype)."""
-        config = self.config
-        kind = config.position_encoding_type
+        """What one forward builds once for all its layers: small position parameters (never an (L, L) T5 bias:
+        `position_encoding`) and, given `masks`, the plans of its attentions. `masks`: (self-attention key mask,
+        cross-attention key mask and key count, output_attentions, the queries' dtype)."""
         first_attention = self.block[0].layer[0].SelfAttention if len(self.block) else None
-        slopes = dense_bias = rotary = cross_rotary = None
-        if kind == "alibi" and config.alibi_mode == "asymmetric":
-            dense_bias = asymmetric_alibi_bias(config.num_heads, query_length, key_length, q_offset, device)
-        elif kind == "alibi":
-            slopes = alibi_slopes(config.num_heads, device)
-        elif kind == "fire" and first_attention is not None:
-            dense_bias = first_attention.fire(query_length, key_length, q_offset, device, positions)
-        elif kind == "rope":
-            rotary = self._rotary(torch.arange(query_length, device=device) + q_offset if positions is None
-                                  else positions, device)
-            if config.rope_cross_attention and encoder_length is not None:
-                cross_rotary = self._rotary(torch.arange(encoder_length, device=device) if cross_segments is None
-                                            else segment_positions(cross_segments.key_segment_ids), device)
-        fields = dict(q_offset=q_offset, cache_position=torch.arange(query_length, device=device) + q_offset,
-                      alibi_slopes=slopes, position_bias=dense_bias, rotary=rotary, segments=segments,
-                      cross_segments=cross_segments, cross_rotary=cross_rotary)
+        fields = position_encoding(self.config, query_length, key_length, q_offset, device, positions, cross_segments,
+                                   encoder_length, fire=getattr(first_attention, "fire", None))
+        fields.update(q_offset=q_offset, cache_position=torch.arange(query_length, device=device) + q_offset,
+                      segments=segments, cross_segments=cross_segments)
         position = PositionInputs(**fields)
         if masks is None or first_attention is None:
             return position
@@ -733,7 +710,7 @@ class FAT5Stack(FAT5PreTrainedModel):
         key_padding_mask, encoder_key_padding_mask, cross_length, output_attentions, dtype = masks
         fields["self_attention"] = first_attention.attention_plan(
             position, dtype, device, query_length, key_length, key_padding_mask, output_attentions,
-            t5=kind == "t5")
+            t5=self.config.position_encoding_type == "t5")
         if self.is_decoder and encoder_length is not None:
             fields["cross_attention"] = self.block[0].layer[1].EncDecAttention.attention_plan(
                 position, dtype, device, query_length, cross_length, encoder_key_padding_mask, output_attentions)
@@ -745,13 +722,6 @@ class FAT5Stack(FAT5PreTrainedModel):
             return torch.get_autocast_dtype(states.device.type)
         weight = getattr(self.block[0].layer[0].SelfAttention.q, "weight", None) if len(self.block) else None
         return weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else states.dtype
-
-    def _rotary(self, positions, device):
-        """RoPE's cos, sin for (L,) positions: (L, D); for a packed batch's (B, L) ones: (B, 1, L, D), against
-        (B, H, L, D) states."""
-        config = self.config
-        cos, sin = rotary_cos_sin(positions, config.rotary_dim, config.rope_theta, device, config.rope_interleaved)
-        return (cos, sin) if positions.dim() == 1 else (cos[:, None], sin[:, None])
 
     def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 inputs_embeds=None, cache=None, use_cache=None, output_hidden_states=None,

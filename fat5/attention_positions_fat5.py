@@ -1,9 +1,9 @@
 """Positions: what the position encodings other than T5's buckets give the attention, built once per stack forward.
 
-ALiBi's head slopes (or asymmetric ALiBi's dense bias), RoPE's rotation, the positions of packed rows' tokens
-counted from their segment's start, and `PositionInputs`, what one stack forward hands its layers (FIRE's dense
-bias comes from its MLP, `modeling_fat5.FAT5FIREBias`). T5's bucketed bias is the backends' own: a layer gets the
-table (or what its backend made of it), never an (L, L) bias from here.
+ALiBi's head slopes (or asymmetric ALiBi's dense bias), RoPE's rotation, FIRE's normalised distances (its MLP and
+parameters are `modeling_fat5.FAT5FIREBias`), the positions of packed rows' tokens counted from their segment's
+start, and `PositionInputs`, what one stack forward hands its layers. T5's bucketed bias is the backends' own: a
+layer gets the table (or what its backend made of it), never an (L, L) bias from here.
 """
 
 import dataclasses
@@ -59,6 +59,21 @@ def segment_positions(segment_ids):
     starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
     first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
     return index - first
+
+
+def fire_distances(query_length, key_length, q_offset, device, c, threshold, normalizer_offset, normalizer_eps,
+                   positions=None):
+    """FIRE's (1 | B, Lq, Lk) fp32 input: psi(key - query) / (psi(max(threshold, query position + normalizer_offset))
+    + normalizer_eps), psi(x) = log(c x + 1) keeping the sign (one MLP serves the bidirectional encoder too). Packed
+    rows' (B, L) `positions` restart at each segment."""
+    if positions is None:
+        relative = relative_positions(query_length, key_length, q_offset, device).float()[None]
+        query_position = (torch.arange(query_length, device=device, dtype=torch.float32) + q_offset)[None]
+    else:
+        query_position = positions.float()
+        relative = query_position[:, None, :] - query_position[:, :, None]
+    normaliser = torch.log(c * torch.maximum(threshold, query_position + normalizer_offset) + 1)[..., None]
+    return torch.sign(relative) * torch.log(c * relative.abs() + 1) / (normaliser + normalizer_eps)
 
 
 def rotate_half(x, interleaved=False):

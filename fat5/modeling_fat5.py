@@ -32,7 +32,13 @@ from transformers.modeling_outputs import (
 from transformers.utils import DUMMY_INPUTS, DUMMY_MASK
 
 from .attention_fat5 import PackedSegments, triton_installed
-from .attention_positions_fat5 import PositionInputs, apply_rotary, position_encoding, segment_positions
+from .attention_positions_fat5 import (
+    PositionInputs,
+    apply_rotary,
+    fire_distances,
+    position_encoding,
+    segment_positions,
+)
 from .attention_select_fat5 import attention_plan
 from .compat_fat5 import (
     HAS_GENERIC_GET_ENCODER,
@@ -51,7 +57,7 @@ from .kernels.residual_rms_norm import residual_rms_norm
 from .loss_fat5 import linear_cross_entropy, seq2seq_lm_loss
 from .peft_fat5 import register_fat5_with_peft
 from .pickling_fat5 import PicklesWithItsCode
-from .reference_fat5 import relative_positions, t5_rms_norm
+from .reference_fat5 import t5_rms_norm
 from .remote_code_fat5 import mark_as_package, save_as_package
 
 if TYPE_CHECKING:
@@ -191,16 +197,8 @@ class FAT5FIREBias(nn.Module):
 
     def forward(self, query_length, key_length, q_offset, device, positions=None):
         """(1, H, Lq, Lk) bias; (B, H, L, L) for packed rows, whose (B, L) `positions` restart at each segment."""
-        if positions is None:
-            relative = relative_positions(query_length, key_length, q_offset, device).float()[None]
-            query_position = (torch.arange(query_length, device=device, dtype=torch.float32) + q_offset)[None]
-        else:
-            query_position = positions.float()
-            relative = query_position[:, None, :] - query_position[:, :, None]
-        c = self.c.abs()
-        first = query_position + self.normalizer_offset
-        normaliser = torch.log(c * torch.maximum(self.threshold.abs(), first) + 1)[..., None] + self.normalizer_eps
-        distance = torch.sign(relative) * torch.log(c * relative.abs() + 1) / normaliser
+        distance = fire_distances(query_length, key_length, q_offset, device, self.c.abs(), self.threshold.abs(),
+                                  self.normalizer_offset, self.normalizer_eps, positions)
         # The distances are computed in fp32; the MLP runs in its weights' dtype (bf16 in a bf16 model).
         distance = to_weight_dtype(distance.unsqueeze(-1), self.mlp_in)
         bias = self.mlp_out(F.relu(self.mlp_in(distance)))  # (1 | B, Lq, Lk, H)

@@ -54,7 +54,7 @@ def variant_row(name, **measured):
 
 def compile_variant(name, smoke):
     """The row of variant `name`: seconds of its first forward and backward, milliseconds of warm ones."""
-    from fat5.attention_fat5 import alibi_slopes
+    from fat5.attention_positions_fat5 import alibi_slopes
     from fat5.kernels.flash_attention_t5 import flash_attention_t5, flash_attention_t5_varlen
 
     dtype, head_dim, options, layout = VARIANTS[name]

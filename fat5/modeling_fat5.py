@@ -2,8 +2,9 @@
 
 Parameter names are transformers' T5 names (`shared`, `q,k,v,o`, `wi`/`wi_0`/`wi_1`/`wo`, `layer_norm`,
 `relative_attention_bias`), so T5 checkpoints, PEFT `target_modules=["q", "v"]` and habits carry over. Attention
-goes through one seam (`attention_fat5`): a layer hands q, k, v and the stack's `PositionInputs` (small position
-parameters, built once per stack forward) to the backend function the seam picks, and gets (output, weights) back.
+goes through one seam: the stack decides the backend of each kind of attention once a forward and builds what its
+layers share (`attention_select_fat5`'s `AttentionPlan`s, in the stack's `PositionInputs`); the first block turns
+its T5 table into the backend's bias and the stack hands that on to the others, as T5 hands on its position_bias.
 """
 
 import contextlib
@@ -30,15 +31,15 @@ from transformers.modeling_outputs import (
 )
 from transformers.utils import DUMMY_INPUTS, DUMMY_MASK
 
-from .attention_fat5 import (
-    PackedSegments,
+from .attention_fat5 import PackedSegments, triton_installed
+from .attention_positions_fat5 import (
     PositionInputs,
-    alibi_slopes,
-    asymmetric_alibi_bias,
-    attention_function,
+    apply_rotary,
+    fire_distances,
+    position_encoding,
     segment_positions,
-    triton_installed,
 )
+from .attention_select_fat5 import attention_plan
 from .compat_fat5 import (
     HAS_GENERIC_GET_ENCODER,
     cache_field,
@@ -56,12 +57,13 @@ from .kernels.residual_rms_norm import residual_rms_norm
 from .loss_fat5 import linear_cross_entropy, seq2seq_lm_loss
 from .peft_fat5 import register_fat5_with_peft
 from .pickling_fat5 import PicklesWithItsCode
-from .reference_fat5 import relative_positions, t5_rms_norm
+from .reference_fat5 import t5_rms_norm
 from .remote_code_fat5 import mark_as_package, save_as_package
 
 if TYPE_CHECKING:
     # Never run: only the seam imports the attention kernel. Loading a checkpoint *folder*, transformers 4.x copies
-    # only the files this entry module imports relatively (not what those import), so it must read the kernel here.
+    # only the files this entry module imports relatively (not what those import), so it must read them here.
+    from .attention_guard_fat5 import guarded_triton_attention_forward  # noqa: F401
     from .kernels.decode_attention_t5 import decode_attention_t5  # noqa: F401
     from .kernels.flash_attention_t5 import flash_attention_t5  # noqa: F401
 
@@ -195,46 +197,12 @@ class FAT5FIREBias(nn.Module):
 
     def forward(self, query_length, key_length, q_offset, device, positions=None):
         """(1, H, Lq, Lk) bias; (B, H, L, L) for packed rows, whose (B, L) `positions` restart at each segment."""
-        if positions is None:
-            relative = relative_positions(query_length, key_length, q_offset, device).float()[None]
-            query_position = (torch.arange(query_length, device=device, dtype=torch.float32) + q_offset)[None]
-        else:
-            query_position = positions.float()
-            relative = query_position[:, None, :] - query_position[:, :, None]
-        c = self.c.abs()
-        first = query_position + self.normalizer_offset
-        normaliser = torch.log(c * torch.maximum(self.threshold.abs(), first) + 1)[..., None] + self.normalizer_eps
-        distance = torch.sign(relative) * torch.log(c * relative.abs() + 1) / normaliser
+        distance = fire_distances(query_length, key_length, q_offset, device, self.c.abs(), self.threshold.abs(),
+                                  self.normalizer_offset, self.normalizer_eps, positions)
         # The distances are computed in fp32; the MLP runs in its weights' dtype (bf16 in a bf16 model).
         distance = to_weight_dtype(distance.unsqueeze(-1), self.mlp_in)
         bias = self.mlp_out(F.relu(self.mlp_in(distance)))  # (1 | B, Lq, Lk, H)
         return bias.permute(0, 3, 1, 2)
-
-
-def rotate_half(x, interleaved=False):
-    """The pair partner of every channel, negated on the first of the pair: pairs (i, i + dim / 2), or (2i, 2i + 1)
-    when `interleaved`."""
-    if interleaved:
-        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def rotary_cos_sin(positions, dim, theta, device, interleaved=False):
-    """cos/sin of shape (*positions.shape, dim) for RoPE over `dim` channels, in fp32 so long positions stay
-    distinct; the angle of pair k is laid out where `rotate_half` puts that pair."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
-    angles = positions.to(torch.float32)[..., None] * inv_freq
-    angles = angles.repeat_interleave(2, dim=-1) if interleaved else torch.cat((angles, angles), dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x, cos, sin, interleaved=False):
-    """x with its first cos.shape[-1] channels rotated (all of them unless partial_rotary_factor < 1)."""
-    dim = cos.shape[-1]
-    rotated = x[..., :dim].float()
-    rotated = (rotated * cos + rotate_half(rotated, interleaved) * sin).to(x.dtype)
-    return rotated if dim == x.shape[-1] else torch.cat((rotated, x[..., dim:]), dim=-1)
 
 
 class FAT5Attention(nn.Module):
@@ -269,18 +237,18 @@ class FAT5Attention(nn.Module):
         return linear(states).view(batch, length, self.n_heads, self.key_value_proj_dim).transpose(1, 2)
 
     def forward(self, hidden_states, key_value_states=None, key_padding_mask=None, position=None,
-                cache=None, bias_table=None, output_attentions=False):
-        """`position`: the stack's PositionInputs (None: no position parameters). `bias_table`: the T5 relative-bias
-        table this layer uses (its own when None). Returns (output, weights), weights None unless output_attentions."""
+                cache=None, bias_table=None, output_attentions=False, attention_bias=None):
+        """`position`: the stack's PositionInputs, with the plan of this kind of attention (None, or no plan: the
+        layer makes its own from `key_padding_mask` and `bias_table`, the T5 relative-bias table it uses, its own
+        when None). `attention_bias`: what the stack's plan made of its T5 table (`AttentionPlan.prepare_bias`).
+        Returns (output, weights), weights None unless output_attentions."""
         position = PositionInputs() if position is None else position
         query = self._project(self.q, hidden_states)
         if self.is_cross_attention:
             key, value = self._encoder_key_value(key_value_states, cache, position.cross_rotary)
             if self.config.rope_cross_attention and position.rotary is not None:
                 query = self._rotate(query, position.rotary)
-            # No bias here: encoder positions are not comparable with decoder positions (T5, ALiBi, FIRE).
-            bias_table = alibi = dense_bias = None
-            q_offset, segments = 0, position.cross_segments
+            plan = position.cross_attention
         else:
             key = self._project(self.k, hidden_states)
             value = self._project(self.v, hidden_states)
@@ -292,25 +260,35 @@ class FAT5Attention(nn.Module):
                 # cache_position tells transformers 4.x's static cache where to write (5.x counts itself).
                 key, value = cache.self_attention_cache.update(
                     key, value, self.layer_idx, cache_kwargs={"cache_position": position.cache_position})
-            if bias_table is None and hasattr(self, "relative_attention_bias"):
+            plan = position.self_attention
+            if plan is None and bias_table is None and hasattr(self, "relative_attention_bias"):
                 bias_table = self.relative_attention_bias.weight  # called on its own, outside FAT5Block
-            alibi, dense_bias = position.alibi_slopes, position.position_bias
-            q_offset, segments = position.q_offset, position.segments
-
+        if plan is None:  # called on its own, outside a stack
+            plan = self.attention_plan(position, query.dtype, query.device, query.shape[-2], key.shape[-2],
+                                       key_padding_mask, output_attentions, t5=bias_table is not None)
+            if bias_table is not None:
+                attention_bias = plan.prepare_bias(bias_table)
         dropout_p = self.config.attention_dropout_rate if self.training else 0.0
-        attention_interface = attention_function(self.config, query, needs_dense_bias=dense_bias is not None,
-                                                 output_attentions=output_attentions,
-                                                 forward_cache=position.forward_cache)
-        attn_output, attn_weights = attention_interface(
-            query, key, value, bias_table=bias_table, bidirectional=not self.is_decoder,
-            num_buckets=self.relative_attention_num_buckets,
-            max_distance=self.relative_attention_max_distance, alibi_slopes=alibi, position_bias=dense_bias,
-            key_padding_mask=key_padding_mask, causal=self.is_decoder and not self.is_cross_attention,
-            q_offset=q_offset, scale=self.config.attention_scale, dropout_p=dropout_p, segments=segments,
-            forward_cache=position.forward_cache, output_attentions=output_attentions)
+        attn_output, attn_weights = plan(query, key, value, attention_bias, dropout_p=dropout_p,
+                                         output_attentions=output_attentions)
         batch, _, length, _ = attn_output.shape
         attn_output = self.o(attn_output.transpose(1, 2).reshape(batch, length, self.inner_dim))
         return attn_output, attn_weights
+
+    def attention_plan(self, position, dtype, device, query_length, key_length, key_padding_mask,
+                       output_attentions=False, t5=False):
+        """The AttentionPlan of this kind of attention for one forward (the stack's, made once for its layers).
+        The cross-attention has no bias: encoder positions are not comparable with decoder positions (T5, ALiBi,
+        FIRE)."""
+        cross = self.is_cross_attention
+        return attention_plan(
+            self.config, device, dtype, self.key_value_proj_dim, query_length, key_length, t5=t5,
+            output_attentions=output_attentions, bidirectional=not self.is_decoder,
+            num_buckets=self.relative_attention_num_buckets, max_distance=self.relative_attention_max_distance,
+            alibi_slopes=None if cross else position.alibi_slopes,
+            position_bias=None if cross else position.position_bias, key_padding_mask=key_padding_mask,
+            causal=self.is_decoder and not cross, q_offset=0 if cross else position.q_offset,
+            scale=self.config.attention_scale, segments=position.cross_segments if cross else position.segments)
 
     def _rotate(self, states, rotary):
         cos, sin = rotary
@@ -379,26 +357,33 @@ class FAT5Block(GradientCheckpointingLayer):
         self.layer.append(FAT5LayerFF(config))
 
     def forward(self, hidden_states, key_padding_mask=None, encoder_hidden_states=None,
-                encoder_key_padding_mask=None, position=None, cache=None, bias_table=None,
+                encoder_key_padding_mask=None, position=None, cache=None, attention_bias=None,
                 output_attentions=False):
-        """Returns (hidden states, self-attention weights, cross-attention weights, shared bias table): weights
-        None unless output_attentions, the table None unless this block owns a table the later blocks share.
+        """Returns (hidden states, self-attention weights, cross-attention weights, shared bias): weights None
+        unless output_attentions, the bias None unless this block owns a table the later blocks share.
 
-        `bias_table`: the relative-bias table of the stack's first block, for the blocks that share it. It is a
-        positional tensor argument, not a `position` field, so (reentrant) gradient checkpointing tracks it."""
+        `attention_bias`: what the stack's self-attention plan made of its first block's T5 table (the kernel's
+        lookup table, SDPA's dense mask, the table itself for eager), for the blocks that share it, as T5's blocks
+        share their position_bias. It is a positional tensor argument, not a `position` field, so (reentrant)
+        gradient checkpointing tracks it. Called on its own (no plans in `position`), the block's attentions make
+        their own plans, and the bias it hands on is its table."""
         attention_layer = self.layer[0]
         attention = attention_layer.SelfAttention
-        own_table = None
+        own_bias = bias_table = None
         if hasattr(attention, "relative_attention_bias"):
             # Read through the embedding's forward, not `.weight`, so ZeRO-3 gathers it while this block runs.
             buckets = torch.arange(attention.relative_attention_num_buckets, device=hidden_states.device)
-            bias_table = own_table = attention.relative_attention_bias(buckets)
+            bias_table = own_bias = attention.relative_attention_bias(buckets)
+            plan = None if position is None else position.self_attention
+            if plan is not None:
+                attention_bias = own_bias = plan.prepare_bias(bias_table)
+                bias_table = None
         # Each sub-layer's residual add, its dropout and the next sub-layer's norm run as one op (the next
         # sub-layer's norm module given the update); the sub-layers' own forwards compute the same in three.
         crossing = self.is_decoder and encoder_hidden_states is not None
         update, self_attention_weights = attention(
             attention_layer.layer_norm(hidden_states), key_padding_mask=key_padding_mask, position=position,
-            cache=cache, bias_table=bias_table, output_attentions=output_attentions)
+            cache=cache, bias_table=bias_table, output_attentions=output_attentions, attention_bias=attention_bias)
         following = self.layer[1] if crossing else self.layer[-1]
         hidden_states, normed = following.layer_norm(hidden_states, update, attention_layer.dropout)
         cross_attention_weights = None
@@ -409,10 +394,10 @@ class FAT5Block(GradientCheckpointingLayer):
             hidden_states, normed = self.layer[-1].layer_norm(hidden_states, update, following.dropout)
         feed_forward = self.layer[-1]
         hidden_states = hidden_states + feed_forward.dropout(feed_forward.DenseReluDense(normed))
-        # A table that serves every layer of the stack leaves the block as an output, so sharding engines
+        # A bias that serves every layer of the stack leaves the block as an output, so sharding engines
         # (FSDP per block, ZeRO-3) route the later layers' gradient back through this block.
-        shared_table = None if attention.config.relative_bias_per_layer else own_table
-        return hidden_states, self_attention_weights, cross_attention_weights, shared_table
+        shared_bias = None if attention.config.relative_bias_per_layer else own_bias
+        return hidden_states, self_attention_weights, cross_attention_weights, shared_bias
 
 
 def _read_only(cache):
@@ -707,36 +692,34 @@ class FAT5Stack(FAT5PreTrainedModel):
         The full model ties."""
 
     def _position_inputs(self, query_length, key_length, q_offset, device, positions=None, segments=None,
-                         cross_segments=None, encoder_length=None):
-        """Small per-forward position parameters shared by every layer (never an (L, L) T5 bias). `positions`
-        (B, L): per-segment positions of a packed batch (T5 and ALiBi need none: see `attention_fat5`).
-        `encoder_length`: the cross-attention's key count, when the decoder attends to an encoder."""
-        config = self.config
-        kind = config.position_encoding_type
+                         cross_segments=None, encoder_length=None, masks=None):
+        """What one forward builds once for all its layers: small position parameters (never an (L, L) T5 bias:
+        `position_encoding`) and, given `masks`, the plans of its attentions. `masks`: (self-attention key mask,
+        cross-attention key mask and key count, output_attentions, the queries' dtype)."""
         first_attention = self.block[0].layer[0].SelfAttention if len(self.block) else None
-        slopes = dense_bias = rotary = cross_rotary = None
-        if kind == "alibi" and config.alibi_mode == "asymmetric":
-            dense_bias = asymmetric_alibi_bias(config.num_heads, query_length, key_length, q_offset, device)
-        elif kind == "alibi":
-            slopes = alibi_slopes(config.num_heads, device)
-        elif kind == "fire" and first_attention is not None:
-            dense_bias = first_attention.fire(query_length, key_length, q_offset, device, positions)
-        elif kind == "rope":
-            rotary = self._rotary(torch.arange(query_length, device=device) + q_offset if positions is None
-                                  else positions, device)
-            if config.rope_cross_attention and encoder_length is not None:
-                cross_rotary = self._rotary(torch.arange(encoder_length, device=device) if cross_segments is None
-                                            else segment_positions(cross_segments.key_segment_ids), device)
-        return PositionInputs(q_offset=q_offset, cache_position=torch.arange(query_length, device=device) + q_offset,
-                              alibi_slopes=slopes, position_bias=dense_bias, rotary=rotary, segments=segments,
-                              cross_segments=cross_segments, cross_rotary=cross_rotary)
+        fields = position_encoding(self.config, query_length, key_length, q_offset, device, positions, cross_segments,
+                                   encoder_length, fire=getattr(first_attention, "fire", None))
+        fields.update(q_offset=q_offset, cache_position=torch.arange(query_length, device=device) + q_offset,
+                      segments=segments, cross_segments=cross_segments)
+        position = PositionInputs(**fields)
+        if masks is None or first_attention is None:
+            return position
+        # The stack decides each attention's backend and builds its shared inputs once (see FAT5Block.forward).
+        key_padding_mask, encoder_key_padding_mask, cross_length, output_attentions, dtype = masks
+        fields["self_attention"] = first_attention.attention_plan(
+            position, dtype, device, query_length, key_length, key_padding_mask, output_attentions,
+            t5=self.config.position_encoding_type == "t5")
+        if self.is_decoder and encoder_length is not None:
+            fields["cross_attention"] = self.block[0].layer[1].EncDecAttention.attention_plan(
+                position, dtype, device, query_length, cross_length, encoder_key_padding_mask, output_attentions)
+        return PositionInputs(**fields)
 
-    def _rotary(self, positions, device):
-        """RoPE's cos, sin for (L,) positions: (L, D); for a packed batch's (B, L) ones: (B, 1, L, D), against
-        (B, H, L, D) states."""
-        config = self.config
-        cos, sin = rotary_cos_sin(positions, config.rotary_dim, config.rope_theta, device, config.rope_interleaved)
-        return (cos, sin) if positions.dim() == 1 else (cos[:, None], sin[:, None])
+    def _query_dtype(self, states):
+        """The attention's queries' dtype: autocast's, or the q projection's (its input's where it is quantized)."""
+        if torch.is_autocast_enabled(states.device.type):
+            return torch.get_autocast_dtype(states.device.type)
+        weight = getattr(self.block[0].layer[0].SelfAttention.q, "weight", None) if len(self.block) else None
+        return weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else states.dtype
 
     def forward(self, input_ids=None, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
                 inputs_embeds=None, cache=None, use_cache=None, output_hidden_states=None,
@@ -784,12 +767,13 @@ class FAT5Stack(FAT5PreTrainedModel):
             # A static cache returns all its slots; the ones not yet written are future keys, hidden by causality.
             attention_mask = F.pad(attention_mask, (0, static_length - attention_mask.shape[-1]), value=1)
         key_padding_mask = _key_mask(attention_mask, batch, key_length, "attention_mask")
-        encoder_key_padding_mask = None
+        encoder_key_padding_mask = cross_length = None
         if encoder_hidden_states is not None:
             encoder_length = encoder_hidden_states.shape[1]
             encoder_key_padding_mask = _cross_key_mask(
                 _key_mask(encoder_attention_mask, batch, encoder_length, "encoder_attention_mask"), cache, batch,
                 encoder_length, inputs_embeds.device)
+            cross_length = encoder_length if encoder_key_padding_mask is None else encoder_key_padding_mask.shape[-1]
         segments, cross_segments = _packed_segments(segment_ids, attention_mask, encoder_segment_ids,
                                                     encoder_attention_mask, encoder_hidden_states, batch, length,
                                                     q_offset, self.is_decoder)
@@ -797,26 +781,28 @@ class FAT5Stack(FAT5PreTrainedModel):
         if segments is not None:
             key_padding_mask = encoder_key_padding_mask = None  # the segment ids carry the padding
             positions = segment_positions(segments.query_segment_ids)
+        masks = (key_padding_mask, encoder_key_padding_mask, cross_length, output_attentions,
+                 self._query_dtype(inputs_embeds))
         position = self._position_inputs(length, key_length, q_offset, inputs_embeds.device, positions, segments,
                                          cross_segments, encoder_length=None if encoder_hidden_states is None
-                                         else encoder_hidden_states.shape[1])
+                                         else encoder_hidden_states.shape[1], masks=masks)
 
         hidden_states = self.dropout(inputs_embeds)
         if hidden_states.dtype == torch.float16:
             # fp16 overflows in T5's residual stream (FFN outputs reach 1e5): carry the residual in fp32.
             hidden_states = hidden_states.float()
         all_hidden_states = () if output_hidden_states else None
-        bias_table = None  # set by the first block when the stack shares its relative-bias table
+        attention_bias = None  # set by the first block when the stack shares its T5 table
         all_attentions = () if output_attentions else None
         all_cross_attentions = () if output_attentions and encoder_hidden_states is not None else None
         for block in self.block:
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
-            hidden_states, self_attention_weights, cross_attention_weights, shared_table = block(
-                hidden_states, key_padding_mask, encoder_hidden_states, encoder_key_padding_mask, position,
-                cache, bias_table, output_attentions)
-            if shared_table is not None:
-                bias_table = shared_table
+            # The key masks travel in the plans, already in the backend's form.
+            hidden_states, self_attention_weights, cross_attention_weights, shared_bias = block(
+                hidden_states, None, encoder_hidden_states, None, position, cache, attention_bias, output_attentions)
+            if shared_bias is not None:
+                attention_bias = shared_bias
             if output_attentions:
                 all_attentions += (self_attention_weights,)
                 if all_cross_attentions is not None:

@@ -2,7 +2,7 @@
 these), and what the model runs where no kernel applies.
 
 Torch-only and below everything else in the package: the kernels (`kernels/`) import their references from here,
-the attention seam (`attention_fat5`) and the model import the same functions, so no module imports one above it.
+the attention seam (`attention_*_fat5`) and the model import the same functions, so no module imports one above it.
 Attention follows the contract written in `attention_fat5`.
 """
 

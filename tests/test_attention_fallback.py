@@ -15,8 +15,9 @@ pytest.importorskip("triton")
 from triton.compiler.errors import CompilationError  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
-from fat5 import attention_fat5  # noqa: E402
-from fat5.attention_fat5 import KernelError, guarded_triton_attention_forward, sdpa_attention_forward  # noqa: E402
+from fat5 import attention_guard_fat5 as guard  # noqa: E402
+from fat5.attention_fat5 import sdpa_attention_forward  # noqa: E402
+from fat5.attention_guard_fat5 import KernelError, guarded_triton_attention_forward  # noqa: E402
 from fat5.kernels import flash_attention_t5 as kernel_module  # noqa: E402
 
 CHIP = "cpu (Triton's interpreter)"
@@ -25,9 +26,9 @@ CHIP = "cpu (Triton's interpreter)"
 @pytest.fixture(autouse=True)
 def guarded_cpu(monkeypatch):
     """A fresh process's state: nothing checked, nothing fallen back, the interpreter's CPU guarded."""
-    monkeypatch.setattr(attention_fat5, "GUARDED_DEVICES", {"cuda", "cpu"})
-    monkeypatch.setattr(attention_fat5, "KERNEL_FALLBACKS", {})
-    monkeypatch.setattr(attention_fat5, "KERNEL_CHECKED", set())
+    monkeypatch.setattr(guard, "GUARDED_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(guard, "KERNEL_FALLBACKS", {})
+    monkeypatch.setattr(guard, "KERNEL_CHECKED", set())
 
 
 class _Launch:
@@ -66,7 +67,7 @@ def sdpa_result(states, options, backward=False):
 
 
 def warnings_of(caplog):
-    return [record.getMessage() for record in caplog.records if record.name == "fat5.attention_fat5"]
+    return [record.getMessage() for record in caplog.records if record.name == "fat5.attention_guard_fat5"]
 
 
 def test_out_of_shared_memory_falls_back_to_sdpa_with_one_warning(monkeypatch, caplog):
@@ -99,7 +100,7 @@ def test_forced_triton_raises_the_failure_naming_the_chip(monkeypatch, caplog):
                                           r"interpreter\): OutOfResources: out of resource: shared memory") as raised:
         guarded_triton_attention_forward(*states, fallback=False, **options)
     assert isinstance(raised.value.__cause__, OutOfResources)
-    assert not warnings_of(caplog) and not attention_fat5.KERNEL_FALLBACKS
+    assert not warnings_of(caplog) and not guard.KERNEL_FALLBACKS
 
 
 def test_a_backward_that_cannot_compile_falls_back_before_the_step(monkeypatch, caplog):
@@ -136,7 +137,7 @@ def test_a_kernel_that_disagrees_with_sdpa_on_first_use_falls_back(monkeypatch, 
     assert torch.equal(output, sdpa_result(states, options)[0])
     (warning,) = warnings_of(caplog)
     assert CHIP in warning and "its output differs from SDPA's by" in warning
-    attention_fat5.KERNEL_FALLBACKS.clear()
+    guard.KERNEL_FALLBACKS.clear()
     with pytest.raises(KernelError, match="its output differs from SDPA's"):
         guarded_triton_attention_forward(*states, fallback=False, **options)
 
@@ -145,7 +146,7 @@ def test_a_checked_variant_runs_the_kernel_and_a_later_launch_failure_still_fall
     states, options = attention_inputs()
     output, _ = guarded_triton_attention_forward(*states, fallback=True, **options)
     assert torch.allclose(output, sdpa_result(states, options)[0], atol=1e-4)
-    assert len(attention_fat5.KERNEL_CHECKED) == 1 and not warnings_of(caplog)
+    assert len(guard.KERNEL_CHECKED) == 1 and not warnings_of(caplog)
     # The same variant at another shape fails at launch (another specialisation): SDPA takes over from there.
     monkeypatch.setattr(kernel_module, "_forward_kernel", _Launch(None, RuntimeError("Triton Error [CUDA]: invalid "
                                                                                      "argument")))
@@ -161,16 +162,16 @@ def test_mistakes_in_the_inputs_are_raised_not_hidden(monkeypatch):
     with pytest.raises(ValueError, match=r"key_mask must be .* got \(2, 133\)"):
         guarded_triton_attention_forward(*states, fallback=True,
                                          **{**options, "key_padding_mask": torch.ones(2, 5, dtype=torch.bool)})
-    assert not attention_fat5.KERNEL_FALLBACKS
+    assert not guard.KERNEL_FALLBACKS
 
 
 def test_a_chip_without_bf16_is_a_kernel_failure_in_one_line():
     error = kernel_module.UnsupportedChip("Tesla T4 (sm_75) has no bfloat16: the kernel takes float16 or float32 "
                                           "there")
-    assert attention_fat5._kernel_failure(error) == (
+    assert guard._kernel_failure(error) == (
         "UnsupportedChip: Tesla T4 (sm_75) has no bfloat16: the kernel takes float16 or float32 there")
-    assert attention_fat5._kernel_failure(ValueError("flash_attention_t5 supports head dims")) is None
-    assert attention_fat5._kernel_failure(CompilationError("src", None, "bad layout")) == \
+    assert guard._kernel_failure(ValueError("flash_attention_t5 supports head dims")) is None
+    assert guard._kernel_failure(CompilationError("src", None, "bad layout")) == \
         "CompilationError: bad layout"
 
 
@@ -194,7 +195,7 @@ def test_torch_compile_traces_the_guarded_kernel_in_one_graph(monkeypatch):
     torch._dynamo.reset()
     compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")
     assert torch.allclose(compiled(*states), sdpa_result(states, options)[0], atol=1e-4)
-    assert not attention_fat5.KERNEL_CHECKED
+    assert not guard.KERNEL_CHECKED
     monkeypatch.setattr(kernel_module, "_forward_kernel", _Launch(None, OutOfResources(1, 0, "shared memory")))
     guarded_triton_attention_forward(*states, fallback=True, **options)  # an eager step: falls back
     torch._dynamo.reset()
@@ -225,3 +226,34 @@ def test_a_decode_step_is_a_variant_of_its_own(monkeypatch, caplog):
         full, _ = guarded_triton_attention_forward(q, k, v, fallback=True, **options)
     assert forward.launches >= 2 and len(warnings_of(caplog)) == 1  # checked, then run: the kernel's own output
     torch.testing.assert_close(full, sdpa_result((q, k, v), options)[0])
+
+
+def test_a_model_whose_kernel_falls_back_computes_sdpas_values_from_the_shared_inputs(monkeypatch, caplog):
+    """In a model the layers hand the guarded kernel the stack's shared inputs (the T5 table's lookup table, the
+    additive key mask): where the kernel fails, SDPA computes from them what the SDPA backend computes, the tables'
+    gradients included."""
+    from conftest import tiny_config
+    from fat5 import attention_select_fat5
+    from fat5.modeling_fat5 import FAT5ForConditionalGeneration
+
+    monkeypatch.setattr(kernel_module, "_forward_kernel", _Launch(None, OutOfResources(106624, 101376, "shared")))
+    monkeypatch.setattr(attention_select_fat5, "select_attention_backend",  # "auto" as on CUDA
+                        lambda config, *args: "triton" if config.attention_backend == "auto" else "sdpa")
+    torch.manual_seed(0)
+    model = FAT5ForConditionalGeneration(tiny_config(d_kv=32, num_heads=2, attention_backend="auto")).train()
+    mask = torch.ones(2, 21, dtype=torch.long)
+    mask[1, 15:] = 0
+    batch = dict(input_ids=torch.randint(2, 101, (2, 21)), attention_mask=mask, labels=torch.randint(2, 101, (2, 9)))
+    results = []
+    for backend in ("auto", "sdpa"):
+        model.config.attention_backend = backend
+        model.zero_grad()
+        with caplog.at_level(logging.WARNING):
+            loss = model(**batch).loss
+        loss.backward()
+        results.append((loss, [p.grad.clone() for name, p in model.named_parameters() if "relative" in name]))
+    assert warnings_of(caplog) and all("SDPA" in warning for warning in warnings_of(caplog))
+    (loss, grads), (expected, expected_grads) = results
+    torch.testing.assert_close(loss, expected)
+    for grad, reference in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, reference)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE
-from fat5.attention_fat5 import alibi_slopes
+from fat5.attention_positions_fat5 import alibi_slopes
 from fat5.kernels import decode_attention_t5 as kernel_module
 from fat5.kernels import flash_attention_t5 as training_kernel
 from fat5.kernels.decode_attention_t5 import DECODE_MAX_QUERIES, decode_attention_t5, decode_grid

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE
-from fat5.attention_fat5 import alibi_slopes
+from fat5.attention_positions_fat5 import alibi_slopes
 from fat5.kernels import flash_attention_t5 as kernel_module
 from fat5.kernels.flash_attention_t5 import (
     additive_key_mask,

@@ -24,7 +24,7 @@ from test_flash_attention_t5 import (  # noqa: F401  (poison_outputs: an autouse
 )
 
 from conftest import KERNEL_DEVICE
-from fat5.attention_fat5 import alibi_slopes
+from fat5.attention_positions_fat5 import alibi_slopes
 from fat5.kernels import flash_attention_t5 as kernel_module
 from fat5.kernels.flash_attention_t5 import flash_attention_t5
 from fat5.reference_fat5 import eager_attention

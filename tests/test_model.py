@@ -221,7 +221,8 @@ def test_auto_backend_runs_the_kernel_on_cuda():
     """On CUDA, "auto" picks the kernel (with or without dropout: dropout does not decide); SDPA only for a dense
     bias (FIRE, asymmetric ALiBi) or a head dim the kernel has no tiles for. It decides on the device, the head dim
     and the bias kind alone: no tensor is needed to ask it."""
-    from fat5.attention_fat5 import needs_dense_bias, select_attention_backend, triton_installed
+    from fat5.attention_fat5 import triton_installed
+    from fat5.attention_select_fat5 import needs_dense_bias, select_attention_backend
 
     if not triton_installed():
         pytest.skip("needs triton")
@@ -237,7 +238,7 @@ def test_auto_backend_runs_the_kernel_on_cuda():
 
 
 def test_auto_backend_is_sdpa_on_cpu():
-    from fat5.attention_fat5 import select_attention_backend
+    from fat5.attention_select_fat5 import select_attention_backend
 
     assert select_attention_backend(tiny_config(), torch.device("cpu"), 8) == "sdpa"
     assert select_attention_backend(tiny_config(attention_backend="eager"), "cpu", 8) == "eager"
@@ -306,10 +307,10 @@ def test_kernel_inputs_are_built_once_per_stack_forward(monkeypatch, per_layer, 
     shared table's gradient, the sum over the layers, is eager's."""
     from collections import Counter
 
-    from fat5 import attention_fat5
+    from fat5 import attention_guard_fat5 as guard
     from fat5.kernels import flash_attention_t5 as kernel_module
 
-    monkeypatch.setattr(attention_fat5, "GUARDED_DEVICES", set())  # no first-use check on a GPU: count the model's
+    monkeypatch.setattr(guard, "GUARDED_DEVICES", set())  # no first-use check on a GPU: count the model's
     built = Counter()
     for name in ("relative_bias_lut", "additive_key_mask"):
         real = getattr(kernel_module, name)

@@ -8,7 +8,8 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from conftest import tiny_config
-from fat5.attention_fat5 import sdpa_attention, segment_positions
+from fat5.attention_fat5 import sdpa_attention
+from fat5.attention_positions_fat5 import segment_positions
 from fat5.compat_fat5 import cache_field, output_cache
 from fat5.modeling_fat5 import (
     FAT5EncoderModel,

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from fat5.attention_fat5 import alibi_slopes
+from fat5.attention_positions_fat5 import alibi_slopes
 from fat5.convert.checkpoint import TensorSource
 from fat5.files import read_json_object
 from fat5.reference_fat5 import relative_position_bucket, t5_rms_norm

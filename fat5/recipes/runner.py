@@ -244,7 +244,7 @@ def training_attention(config, device):
     as attention_dropout_rate, which FAT5's Triton kernel applies in-kernel on CUDA."""
     if not hasattr(config, "attention_backend") or not hasattr(config, "attention_dropout_rate"):
         return None
-    from fat5.attention_fat5 import needs_dense_bias, select_attention_backend
+    from fat5.attention_select_fat5 import needs_dense_bias, select_attention_backend
 
     try:
         backend = select_attention_backend(config, device, config.d_kv, needs_dense_bias(config))

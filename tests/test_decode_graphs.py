@@ -329,11 +329,12 @@ def test_the_demo_pipeline_and_predict_reach_the_captured_step(recorder, tmp_pat
 
     from transformers import AutoTokenizer, T5ForConditionalGeneration
 
-    from convert.checkpoint import fat5_config_from_t5
+    from fat5.convert.checkpoint import fat5_config_from_t5
+    from fat5.convert.demo import DEMO_CHECKPOINT
     from fat5.modeling_fat5 import FAT5ForConditionalGeneration
     from fat5.recipes import predict
 
-    demo = Path(__file__).resolve().parent.parent / "convert" / "demo_t5"
+    demo = Path(DEMO_CHECKPOINT)
     t5 = T5ForConditionalGeneration.from_pretrained(demo)
     model = FAT5ForConditionalGeneration(fat5_config_from_t5(t5.config.to_dict(), lm_head_tied=False)).eval()
     model.load_state_dict(t5.state_dict(), strict=False)

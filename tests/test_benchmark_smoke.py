@@ -122,39 +122,6 @@ def test_loss_memory_smoke_run(tmp_path):
     assert isinstance(row["liger"], dict) or row["liger"].startswith("not measured: ")
 
 
-@pytest.mark.slow
-def test_attention_dropout_smoke_compares_the_kernel_with_and_without_dropout(tmp_path):
-    stdout, rows = run_smoke("attention.py", tmp_path, "--dropout", "0.1", "--causal", "no", "--impl",
-                             "fat5,fat5_nodropout,sdpa_dense_bias")
-    assert {row["implementation"] for row in rows if row["status"] == "ok"} == {"fat5", "fat5_nodropout",
-                                                                              "sdpa_dense_bias"}
-    assert "fat5 / fat5_nodropout" in stdout
-
-
-@pytest.mark.slow
-def test_tile_sweep_smoke_times_every_candidate_it_passed_to_the_kernel(tmp_path):
-    """Each candidate reaches the kernel module's chip_tiles (checked in the worker that compiles it), compiles,
-    matches the chip's own tiles' results and is timed; the chip's tiles come first, marked current."""
-    result = subprocess.run([sys.executable, str(BENCHMARKS / "tile_sweep.py"), "--smoke", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (raw,) = tmp_path.glob("tile_sweep_*.jsonl")
-    rows = read_rows(raw)[1]
-    assert [(row["kernel"], row["current"]) for row in rows] == [(kernel, current) for kernel in ("forward", "dkdv",
-                                                                                                   "dq")
-                                                                  for current in (True, False)]
-    assert all(row["status"] == "ok" and row["ms"] > 0 and row["max_difference"] < 1e-4 for row in rows), rows
-    assert "| kernel | BLOCK_M x BLOCK_N, warps, stages |" in result.stdout
-
-
-@pytest.mark.slow
-def test_decode_smoke_run_writes_rows(tmp_path):
-    stdout, rows = run_smoke("attention.py", tmp_path, "--decode")
-    assert "| batch | Lk | fat5 | sdpa_dense_bias | sdpa_nobias |" in stdout
-    assert {(r["implementation"], r["batch"]) for r in rows if r["status"] == "ok"} == {
-        (name, 1) for name in ("fat5", "sdpa_dense_bias", "sdpa_nobias")}
-
-
 @pytest.mark.parametrize("script, flags, message", [
     ("train_step.py", ["--lengths", "512,0"], "argument --lengths: 0 is not a positive integer"),
     pytest.param("generate.py", ["--shape", "d_model=x"], "error: --shape d_model: 'x' is not an integer",
@@ -380,6 +347,21 @@ def test_gpu_plan_runs_end_to_end_at_smoke_sizes(tmp_path):
     assert all(row["status"] == "ok" and row["ms"] > 0 and row["max_difference"] < 1e-4 for row in rows), rows
     assert all(row["speed"] == 1.0 for row in rows if not row["variants"])
     assert {row["implementation"] for row in found["train_step_t5_compiled"][1]} == {"t5_sdpa"}  # smoke: eager
+    # The tile sweep: each candidate reaches the kernel module's chip_tiles (checked in the worker that compiles it),
+    # compiles, matches the chip's own tiles' results and is timed; the chip's tiles come first, marked current.
+    rows = found["tile_sweep"][1]
+    assert [(row["kernel"], row["current"]) for row in rows] == [(kernel, current) for kernel in ("forward", "dkdv",
+                                                                                                   "dq")
+                                                                  for current in (True, False)]
+    assert all(row["status"] == "ok" and row["ms"] > 0 and row["max_difference"] < 1e-4 for row in rows), rows
+    log = (out / "call2.log").read_text()
+    assert "| kernel | BLOCK_M x BLOCK_N, warps, stages |" in log
+    # The kernel with and without dropout beside SDPA; one decode step against its cache.
+    assert {row["implementation"] for row in found["attention_dropout"][1] if row["status"] == "ok"} >= {
+        "fat5", "fat5_nodropout", "sdpa_dense_bias"}
+    assert "fat5 / fat5_nodropout" in log and "| batch | Lk | fat5 | sdpa_dense_bias | sdpa_nobias |" in log
+    assert {(r["implementation"], r["batch"]) for r in found["attention_decode"][1] if r["status"] == "ok"} == {
+        (name, 1) for name in ("fat5", "sdpa_dense_bias", "sdpa_nobias")}
     assert "call 1 fp32_parity ok" in result.stdout and "call 2 train_step_flex ok" in result.stdout
     assert "#### tile_sweep (tile_sweep" in result.stdout
     assert "#### generate_profile (generate_profile)" in result.stdout

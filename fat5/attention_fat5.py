@@ -273,7 +273,7 @@ def triton_attention_forward(query, key, value, *, segments=None, output_attenti
     The dropout seed is drawn from torch's generator for the device on each call (see `draw_dropout_seed`).
     `forward_cache` (the stack's `PositionInputs.forward_cache`) holds the bias lookup table and the additive key
     mask that the layers of one forward share. A decode step (`is_decode_step`) runs the decode kernel instead, on
-    the same lookup table."""
+    the same lookup table and key mask."""
     # Imported lazily: the kernel needs triton, which CPU-only installs lack.
     from .kernels.flash_attention_t5 import (
         additive_key_mask,
@@ -287,14 +287,14 @@ def triton_attention_forward(query, key, value, *, segments=None, output_attenti
     if kwargs["bias_table"] is not None:
         kwargs["bias_lut"] = forward_cached(forward_cache, relative_bias_lut, kwargs.pop("bias_table"),
                                             kwargs["bidirectional"], kwargs["num_buckets"], kwargs["max_distance"])
+    if segments is None and kwargs["key_padding_mask"] is not None:  # both kernels' form
+        kwargs["key_mask"] = forward_cached(forward_cache, additive_key_mask, kwargs.pop("key_padding_mask"))
     if decode:
         return decode_attention_forward(query, key, value, **kwargs), None
     if isinstance(kwargs["q_offset"], torch.Tensor):
         # A static cache's counter in a prefill (more than DECODE_MAX_QUERIES rows): the kernel takes a scalar.
         kwargs["q_offset"] = int(kwargs["q_offset"])
     if segments is None:
-        if kwargs["key_padding_mask"] is not None:
-            kwargs["key_mask"] = forward_cached(forward_cache, additive_key_mask, kwargs.pop("key_padding_mask"))
         return flash_attention_t5(query, key, value, **kwargs), None
     # Packed rows: drop padding, run each segment as one varlen sequence, put the rows back (padding rows = 0).
     if kwargs.pop("key_padding_mask") is not None or kwargs.pop("q_offset") != 0:

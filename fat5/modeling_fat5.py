@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     # only the files this entry module imports relatively (not what those import), so it must read the kernel here.
     from .kernels.decode_attention_t5 import decode_attention_t5  # noqa: F401
     from .kernels.flash_attention_t5 import flash_attention_t5  # noqa: F401
+    from .kernels.t5_bias import near_band_bias  # noqa: F401
 
 register_fat5_with_peft(FAT5Config.model_type)
 

@@ -32,6 +32,7 @@ except ImportError as error:  # the model imports this module only for the "trit
                       "(or use attention_backend='sdpa')") from error
 
 from .t5_bias import (
+    KERNEL_LOG2E,
     LOG2E,
     bias_kind,
     cdiv,
@@ -111,7 +112,7 @@ def _decode_chunk_kernel(Q, K, V, Out, PartMax, PartSum, PartAcc, LUT, SLOPES, K
     v_base = V + b * stride_vb + h * stride_vh
     slope = 0.0
     if BIAS_TYPE == 2:
-        slope = tl.load(SLOPES + h)
+        slope = tl.load(SLOPES + h) * KERNEL_LOG2E
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seqlen_k)
     if CAUSAL:  # the last row, at seqlen_q - 1 + q_offset, sees no key after it
@@ -127,7 +128,7 @@ def _decode_chunk_kernel(Q, K, V, Out, PartMax, PartSum, PartAcc, LUT, SLOPES, K
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
         relative = cols[None, :] - (rows[:, None] + q_offset)
         if BIAS_TYPE != 0:
-            s += near_band_bias(relative, LUT + h * stride_lut_h, slope, MAX_DIST, BIAS_TYPE)
+            s += near_band_bias(relative, LUT + h * stride_lut_h, slope, 1.0, MAX_DIST, BIAS_TYPE)
         if HAS_KMASK:  # 0 for kept keys, -inf for padding and past the end (KEY_MASK_PAD columns: no bounds check)
             s += tl.load(KMASK + b * stride_mask_b + cols)[None, :]
         visible = col_ok[None, :]  # keys past the chunk's end are the next chunk's

@@ -303,7 +303,7 @@ def _scores(q, kt, rows, cols, start_m, start_n, b, h, k_len, q_offset, qk_scale
         slope = 0.0
         if BIAS_TYPE == 2:
             slope = tl.load(SLOPES + h)
-        s += near_band_bias(relative, LUT + h * stride_lut_h, slope, MAX_DIST, BIAS_TYPE)
+        s += near_band_bias(relative, LUT + h * stride_lut_h, slope, KERNEL_LOG2E, MAX_DIST, BIAS_TYPE)
     if MASK_CAUSAL:
         s = tl.where(relative <= 0, s, float("-inf"))
     return s

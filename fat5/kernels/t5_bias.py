@@ -30,15 +30,17 @@ KEY_MASK_PAD = 128
 
 
 @triton.jit
-def near_band_bias(relative, lut_row, slope, MAX_DIST: tl.constexpr, BIAS_TYPE: tl.constexpr):
+def near_band_bias(relative, lut_row, slope, SLOPE_SCALE: tl.constexpr, MAX_DIST: tl.constexpr,
+                   BIAS_TYPE: tl.constexpr):
     """The bias (log2 units) of the scores at `relative` = key position - query position: T5's table entry of the
-    clamped relative position (`lut_row`: the head's row of the lookup table) or ALiBi's -slope * |relative| (`slope`:
-    the head's). Only for BIAS_TYPE 1 (T5) and 2 (ALiBi)."""
+    clamped relative position (`lut_row`: the head's row of the lookup table) or ALiBi's -slope * |relative|, in log2
+    units once times SLOPE_SCALE (the training kernel scales per score, LOG2E; the decode kernel passes a scaled slope
+    and 1.0: each build as it was before they shared this). Only for BIAS_TYPE 1 (T5) and 2 (ALiBi)."""
     if BIAS_TYPE == 1:
         index = tl.minimum(tl.maximum(relative, -MAX_DIST), MAX_DIST) + MAX_DIST
         bias = tl.load(lut_row + index) * KERNEL_LOG2E
     else:
-        bias = -(slope * tl.abs(relative).to(tl.float32) * KERNEL_LOG2E)
+        bias = -(slope * tl.abs(relative).to(tl.float32) * SLOPE_SCALE)
     return bias
 
 

@@ -35,7 +35,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Skip fat5/__init__.py (it imports transformers): the kernel needs torch, triton and fat5/reference_fat5.py only.
+# Skip fat5/__init__.py (it imports transformers): the kernel needs torch, triton, kernels/ and reference_fat5.py.
 package = types.ModuleType("fat5")
 package.__path__ = [os.path.join(ROOT, "fat5")]
 sys.modules["fat5"] = package
@@ -96,7 +96,7 @@ def build_rows(arch):
             for tag, options in VARIANTS.items():
                 for split in (True, False):
                     signature = dict(Q=pointer, K=pointer, V=pointer, Out=pointer, PartMax="*fp32", PartSum="*fp32",
-                                     PartAcc="*fp32", LUT="*fp32", SLOPES="*fp32", KMASK="*u8", QOFF="*i64",
+                                     PartAcc="*fp32", LUT="*fp32", SLOPES="*fp32", KMASK="*fp32", QOFF="*i64",
                                      qk_scale="fp32")
                     constants = dict(options, SPLIT=split, HEAD_DIM=head_dim, BLOCK_M=K.DECODE_MAX_QUERIES,
                                      BLOCK_N=block_n, DOT_PRECISION="tf32" if dtype != "fp32" else "ieee")

@@ -226,13 +226,12 @@ def triton_head_dims():
 
 
 def prepare_triton(function, query_length, key_length, dtype, device, contract, t5):
-    """The kernel's plan: the additive key mask a training or prefill kernel reads (a decode step reads the boolean
-    one), and the T5 table's lookup table (`relative_bias_lut`), both shared by the layers."""
+    """The kernel's plan: the additive key mask both kernels read (training and prefill, and a decode step), and the
+    T5 table's lookup table (`relative_bias_lut`), both built once and shared by the layers."""
     from .kernels.flash_attention_t5 import additive_key_mask, relative_bias_lut
 
     arguments = dict(contract)
-    if contract["key_padding_mask"] is not None and contract["segments"] is None \
-            and (query_length > decode_max_queries() or torch.is_grad_enabled()):
+    if contract["key_padding_mask"] is not None and contract["segments"] is None:
         arguments["key_mask"] = additive_key_mask(contract["key_padding_mask"])
     bidirectional, num_buckets, max_distance = (contract[name] for name in ("bidirectional", "num_buckets",
                                                                               "max_distance"))
@@ -268,7 +267,9 @@ def triton_attention_forward(query, key, value, *, segments=None, output_attenti
         from .kernels.decode_attention_t5 import decode_attention_t5
 
         kwargs.pop("dropout_p", None)
-        return decode_attention_t5(query, key, value, **kwargs), None
+        if key_mask is not None:  # the stack's, in the kernels' one form
+            kwargs.pop("key_padding_mask")
+        return decode_attention_t5(query, key, value, key_mask=key_mask, **kwargs), None
     if isinstance(kwargs["q_offset"], torch.Tensor):
         # A static cache's counter in a prefill (more than DECODE_MAX_QUERIES rows): the kernel takes a scalar.
         kwargs["q_offset"] = int(kwargs["q_offset"])

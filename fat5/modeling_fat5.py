@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from .attention_guard_fat5 import guarded_triton_attention_forward  # noqa: F401
     from .kernels.decode_attention_t5 import decode_attention_t5  # noqa: F401
     from .kernels.flash_attention_t5 import flash_attention_t5  # noqa: F401
+    from .kernels.t5_bias import near_band_bias  # noqa: F401
 
 register_fat5_with_peft(FAT5Config.model_type)
 
@@ -558,8 +559,8 @@ class FAT5PreTrainedModel(PicklesWithItsCode, PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, is_main_process=True, push_to_hub=False, **kwargs):
         """transformers' save_pretrained, always giving a complete FAT5 package (code flat beside the config,
-        `auto_map`, the text2text pipeline), whether the model was loaded from a folder or built here; written
-        to a staging folder first, so an error leaves `save_directory` as it was."""
+        `auto_map`, the text2text pipeline), whether the model was loaded from a folder or built here; where FAT5 is
+        installed, written to a staging folder first, so an error leaves `save_directory` as it was."""
         if not is_main_process or os.path.isfile(save_directory):
             return super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
         hub_kwargs = {name: kwargs.pop(name) for name in ("repo_id", "commit_message", "commit_description",
@@ -570,7 +571,7 @@ class FAT5PreTrainedModel(PicklesWithItsCode, PreTrainedModel):
         try:  # where FAT5 is installed, its file safety (not shipped: see remote_code_fat5.py)
             from fat5.safe_files import StagedFolder
         except ImportError:
-            from .remote_code_fat5 import StagedFolder
+            StagedFolder = None  # in place, as transformers saves
         with _no_transformers_code_copy(type(self)):
             save_as_package(lambda staging: parent_save(staging, *args, **kwargs), save_directory, StagedFolder)
         if push_to_hub:

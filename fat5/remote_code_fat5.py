@@ -2,30 +2,30 @@
 pipeline entry. One definition, used by every `save_pretrained` route and by the converter's export.
 
 This module is itself part of the remote code: a model loaded from a checkpoint folder saves a complete package
-from the copy of the code transformers loaded it from.
-
-A save is written into a staging folder beside its target (`.NAME.partial-PID-XXXX`), then renamed to the target's
-path (`StagedFolder`): standard library only and nothing platform-specific, so a folder loads and saves wherever
-Python runs. Where FAT5 is installed, `save_pretrained` takes `fat5/safe_files.py`'s instead, which adds what the
-platform offers (one atomic exchange over an existing folder, locks, removal of killed saves' staging folders) and
-is not shipped.
+from the copy of the code transformers loaded it from. Where FAT5 is installed, a save is staged and put in place
+whole by `fat5/safe_files.py` (not shipped); where it is not, it is written in place as transformers writes it.
 (This lives here rather than in its own module because transformers 4.57 copies into its module cache only the
 modules that the model file imports itself.)
 """
 
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 CODE_DIR = Path(__file__).resolve().parent
-# The modules a checkpoint loads by name; everything they import relatively comes with them (kernels included).
-ENTRY_MODULES = ("configuration_fat5", "modeling_fat5", "pipeline_fat5")
+# The files a checkpoint folder holds: the model's code, flat (tests/test_package_layout.py checks that this is the
+# closure of the modules a checkpoint loads by name, and that their relative imports stay within it).
+SHIPPED_FILES = (
+    "attention_fat5.py", "attention_guard_fat5.py", "attention_positions_fat5.py", "attention_select_fat5.py",
+    "compat_fat5.py", "configuration_fat5.py", "generation_fat5.py", "integrations_fat5.py", "loss_fat5.py",
+    "modeling_fat5.py", "peft_fat5.py", "pickling_fat5.py", "pipeline_fat5.py", "reference_fat5.py",
+    "remote_code_fat5.py",
+    # kernels/ in the installed package
+    "decode_attention_t5.py", "feed_forward.py", "flash_attention_t5.py", "residual_rms_norm.py", "rms_norm.py",
+    "t5_bias.py",
+)
 # In the installed package kernels live in kernels/ (imported by the model as `.kernels.NAME`, and importing the
 # model's modules as `..NAME`); transformers resolves only same-folder imports, so checkpoints hold them flat.
 NESTED_IMPORT = re.compile(r"^(\s*from\s+)(?:\.kernels\.|\.\.)(\w+\s+import\b)", re.MULTILINE)
-RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\S*)\s+import", re.MULTILINE)
 AUTO_MAP = {
     "AutoConfig": "configuration_fat5.FAT5Config",
     "AutoModel": "modeling_fat5.FAT5Model",
@@ -60,27 +60,14 @@ def flatten_imports(source):
     return NESTED_IMPORT.sub(r"\1.\2", source)
 
 
-def _module_path(module):
-    candidates = [path for path in (CODE_DIR / f"{module}.py", CODE_DIR / "kernels" / f"{module}.py")
-                  if path.is_file()]
-    if "." in module or len(candidates) != 1:
-        raise FileNotFoundError(f"FAT5 remote code imports .{module}, which is not exactly one module of {CODE_DIR} "
-                                "(a kernel must be imported by its module path, `.kernels.NAME`)")
-    return candidates[0]
-
-
 def remote_code_files():
-    """{flat file name: source path} of every module a FAT5 checkpoint needs: ENTRY_MODULES and, recursively,
-    what they import relatively. Works from the installed package and from a flat checkpoint copy alike."""
-    files, pending = {}, list(ENTRY_MODULES)
-    while pending:
-        module = pending.pop()
-        if f"{module}.py" in files:
-            continue
-        path = _module_path(module)
-        files[f"{module}.py"] = path
-        pending.extend(RELATIVE_IMPORT.findall(flatten_imports(path.read_text())))
-    return dict(sorted(files.items()))
+    """{flat file name: source path} of SHIPPED_FILES, from the installed package (kernels in kernels/) or from a
+    flat checkpoint copy alike."""
+    files = {}
+    for name in SHIPPED_FILES:
+        path = CODE_DIR / name
+        files[name] = path if path.is_file() else CODE_DIR / "kernels" / name
+    return files
 
 
 def write_remote_code(folder):
@@ -104,110 +91,21 @@ def mark_as_package(config, encoder_only=False):
     config.tested_transformers = list(TESTED_TRANSFORMERS)
 
 
-# -- atomic saves ----------------------------------------------------------------------------------------------------
-
-STAGING_MARK = ".partial-"
-
-
-def apply_umask(folder):
-    """Give `folder` and everything in it the permissions new files and folders get under the umask (0666 and
-    0777 less the umask): `tempfile.mkdtemp` makes folders 0700, and safetensors writes weights 0600."""
-    mask = os.umask(0)
-    os.umask(mask)
-    for root, _, files in os.walk(folder):
-        os.chmod(root, 0o777 & ~mask)
-        for name in files:
-            if not os.path.islink(os.path.join(root, name)):
-                os.chmod(os.path.join(root, name), 0o666 & ~mask)
-
-
-def _link_or_copy(source, destination):
-    try:
-        os.link(source, destination)
-    except OSError:  # a filesystem without hard links
-        shutil.copy2(source, destination)
-
-
-def link_tree(source, destination):
-    """Recreate `source` at `destination` with every file hard-linked (copied where the filesystem has no hard
-    links), keeping symbolic links, modes and times."""
-    if os.path.islink(source):
-        os.symlink(os.readlink(source), destination)
-    elif os.path.isdir(source):
-        shutil.copytree(source, destination, symlinks=True, copy_function=_link_or_copy)
-    else:
-        _link_or_copy(source, destination)
-
-
-def rename_aside(source, target):
-    """Put the folder `source` at the existing path `target` with two renames, the old folder moved aside first
-    (to `source`-old, whose path this returns); if the second fails (or Ctrl-C comes between), it is put back."""
-    old = Path(f"{source}-old")
-    try:
-        os.rename(target, old)
-        os.rename(source, target)
-    except BaseException:
-        if os.path.lexists(old) and not os.path.lexists(target):
-            os.rename(old, target)
-        raise
-    return old
-
-
-class StagedFolder:
-    """A staging folder beside `target` that `commit()` puts at `target`.
-
-    ``with StagedFolder(target) as staging: write into staging.path; staging.commit(keep=...)``: leaving the
-    block without a commit (an error, Ctrl-C) removes the staging folder and leaves `target` as it was.
-    `keep(name)` says which entries of an existing target the new folder keeps (among those it does not write
-    itself), as hard links; None keeps nothing, so the new folder replaces the old one whole. `check(path)`, when
-    given, is called on the complete staged folder just before it goes in place: raising there leaves `target` as
-    it was. Permissions follow the umask. Here the new folder goes in place by a rename, over an existing target by
-    two (`rename_aside`); fat5/safe_files.py's subclass makes that one atomic step where the platform can."""
-
-    def __init__(self, target):
-        # A symlinked target is saved where it points: the link stays, the folder behind it is replaced.
-        self.target = Path(target).resolve() if os.path.islink(target) else Path(target)
-        self.path = None
-
-    def __enter__(self):
-        self.target.parent.mkdir(parents=True, exist_ok=True)
-        self.path = Path(tempfile.mkdtemp(prefix=f".{self.target.name}{STAGING_MARK}{os.getpid()}-",
-                                          dir=self.target.parent))
-        return self
-
-    def commit(self, keep=None, check=None):
-        apply_umask(self.path)
-        if self.target.is_dir() and keep is not None:
-            written = {entry.name for entry in self.path.iterdir()}
-            for entry in self.target.iterdir():
-                if entry.name not in written and keep(entry.name):
-                    link_tree(entry, self.path / entry.name)
-            shutil.copystat(self.target, self.path)
-        if check is not None:
-            check(self.path)
-        # Then self.path holds the old folder (or nothing), which __exit__ removes.
-        self.path = self.put_in_place(self.path, self.target)
-
-    def put_in_place(self, source, target):
-        """Move the complete folder `source` to `target`; return where the old folder now lies (None if none)."""
-        if not os.path.lexists(target):
-            os.rename(source, target)
-            return None
-        return rename_aside(source, target)
-
-    def __exit__(self, *exc):
-        if self.path is not None:
-            shutil.rmtree(self.path, ignore_errors=True)
-        return False
-
-
-def save_as_package(save, save_directory, staged_folder=StagedFolder):
-    """Call `save(staging_folder)` (transformers' save_pretrained), add FAT5's code, then put the result at
-    `save_directory` (`staged_folder`: StagedFolder, or fat5/safe_files.py's where FAT5 is installed): the folder
-    holds the complete old save or the complete new one, never new weights beside an old config. Files of the old
-    folder that the new save does not write are kept, except weights (an earlier save's shards or unsharded file,
-    which would otherwise load instead of the new weights). On any error `save_directory` is left as it was. Files
-    and folders get the umask's permissions."""
+def save_as_package(save, save_directory, staged_folder=None):
+    """Call `save(folder)` (transformers' save_pretrained) and add FAT5's code. With `staged_folder`
+    (fat5/safe_files.py's StagedFolder, where FAT5 is installed) into a staging folder then put at `save_directory`
+    whole: on any error `save_directory` is left as it was; files of the old folder that the new save does not write
+    are kept, except weights. Without it, in place as transformers saves. Either way an earlier save's weight files
+    (shards or an unsharded file, which would otherwise load instead of the new weights) are not kept."""
+    if staged_folder is None:
+        folder = Path(save_directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        for entry in folder.iterdir():
+            if WEIGHT_FILE.fullmatch(entry.name) and entry.is_file():
+                entry.unlink()
+        save(folder)
+        write_remote_code(folder)
+        return
     with staged_folder(save_directory) as staging:
         save(staging.path)
         write_remote_code(staging.path)

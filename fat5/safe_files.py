@@ -1,12 +1,12 @@
 """Writing files and folders whole or not at all: the one home of FAT5's file safety for everything that is not a
 model's shipped code: the converters and exporters (convert/safety.py), `save_pretrained` wherever FAT5 is installed
-(fat5/remote_code_fat5.py takes `StagedFolder` from here when it can import it), training checkpoints and the run
+(a checkpoint's shipped fat5/remote_code_fat5.py stages through `StagedFolder` here when it can import it; where
+FAT5 is not installed, it saves in place as transformers does), training checkpoints and the run
 folder's records (fat5/training/run_folder.py), the tokenizer pretraining trains, the model cards of
 training runs (fat5/training/model_card.py) and `fat5 sample-data`'s files.
 
-A folder is written into a staging folder beside its target (`.NAME.partial-PID-XXXX`), then put in place. The
-shipped `remote_code_fat5.StagedFolder` does that with plain renames, which every platform has; `StagedFolder` here
-adds what the platform offers:
+A folder is written into a staging folder beside its target (`.NAME.partial-PID-XXXX`), then put in place, with
+what the platform offers:
 - one atomic step over an existing target: Linux `renameat2(RENAME_EXCHANGE)` swaps the two folders; elsewhere two
   renames with Ctrl-C and SIGTERM held between them (a crash between them leaves the old folder at `...-old` and
   none at the target: the next writer puts it back);
@@ -27,13 +27,11 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-
-from fat5 import remote_code_fat5
-from fat5.remote_code_fat5 import STAGING_MARK, rename_aside
 
 try:
     import fcntl
@@ -42,6 +40,52 @@ except ImportError:  # Windows
 
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2  # linux/fs.h
 AT_FDCWD = -100
+# In the name of every staging folder: `.NAME.partial-PID-XXXX`.
+STAGING_MARK = ".partial-"
+
+
+def apply_umask(folder):
+    """Give `folder` and everything in it the permissions new files and folders get under the umask (0666 and
+    0777 less the umask): `tempfile.mkdtemp` makes folders 0700, and safetensors writes weights 0600."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for root, _, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), 0o666 & ~mask)
+
+
+def _link_or_copy(source, destination):
+    try:
+        os.link(source, destination)
+    except OSError:  # a filesystem without hard links
+        shutil.copy2(source, destination)
+
+
+def link_tree(source, destination):
+    """Recreate `source` at `destination` with every file hard-linked (copied where the filesystem has no hard
+    links), keeping symbolic links, modes and times."""
+    if os.path.islink(source):
+        os.symlink(os.readlink(source), destination)
+    elif os.path.isdir(source):
+        shutil.copytree(source, destination, symlinks=True, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(source, destination)
+
+
+def rename_aside(source, target):
+    """Put the folder `source` at the existing path `target` with two renames, the old folder moved aside first
+    (to `source`-old, whose path this returns); if the second fails (or Ctrl-C comes between), it is put back."""
+    old = Path(f"{source}-old")
+    try:
+        os.rename(target, old)
+        os.rename(source, target)
+    except BaseException:
+        if os.path.lexists(old) and not os.path.lexists(target):
+            os.rename(old, target)
+        raise
+    return old
 
 
 def staging_prefix(target):
@@ -281,28 +325,50 @@ def put_in_place(source, target, replace="all"):
     return old
 
 
-class StagedFolder(remote_code_fat5.StagedFolder):
-    """remote_code_fat5.StagedFolder (the same use) with the steps above: its staging folder locked while it is
-    written, staging folders of killed writers removed first, and `put_in_place` with `replace` ("all" by
-    default: what `save_pretrained` does)."""
+class StagedFolder:
+    """A staging folder beside `target` that `commit()` puts at `target`, with the steps above: locked while it is
+    written, staging folders of killed writers removed first, put in place by `put_in_place` with `replace` ("all" by
+    default: what `save_pretrained` does).
+
+    ``with StagedFolder(target) as staging: write into staging.path; staging.commit(keep=...)``: leaving the
+    block without a commit (an error, Ctrl-C) removes the staging folder and leaves `target` as it was.
+    `keep(name)` says which entries of an existing target the new folder keeps (among those it does not write
+    itself), as hard links; None keeps nothing, so the new folder replaces the old one whole. `check(path)`, when
+    given, is called on the complete staged folder just before it goes in place: raising there leaves `target` as
+    it was. Permissions follow the umask."""
 
     def __init__(self, target, replace="all"):
-        super().__init__(target)
+        # A symlinked target is saved where it points: the link stays, the folder behind it is replaced.
+        self.target = Path(target).resolve() if os.path.islink(target) else Path(target)
         self.replace = replace
-        self._lock = None
+        self.path = self._lock = None
 
     def __enter__(self):
         remove_stale_staging(self.target)
-        super().__enter__()
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        self.path = Path(tempfile.mkdtemp(prefix=f"{staging_prefix(self.target)}{os.getpid()}-",
+                                          dir=self.target.parent))
         self._lock = lock(self.path)
         return self
 
-    def put_in_place(self, source, target):
-        return put_in_place(source, target, self.replace)
+    def commit(self, keep=None, check=None):
+        apply_umask(self.path)
+        if self.target.is_dir() and keep is not None:
+            written = {entry.name for entry in self.path.iterdir()}
+            for entry in self.target.iterdir():
+                if entry.name not in written and keep(entry.name):
+                    link_tree(entry, self.path / entry.name)
+            shutil.copystat(self.target, self.path)
+        if check is not None:
+            check(self.path)
+        # Then self.path holds the old folder (or nothing), which __exit__ removes.
+        self.path = put_in_place(self.path, self.target, self.replace)
 
     def __exit__(self, *exc):
         try:
-            return super().__exit__(*exc)
+            if self.path is not None:
+                shutil.rmtree(self.path, ignore_errors=True)
+            return False
         finally:
             if self._lock is not None:
                 os.close(self._lock)

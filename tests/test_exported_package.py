@@ -113,7 +113,7 @@ json.dump({"module": type(model).__module__, "answers": answers, "same": same,
 
 def test_a_folder_loads_generates_fine_tunes_and_saves_without_posix(exported, tmp_path):
     """The shipped code imports nothing platform-specific: a folder works where `fcntl` and POSIX signals do not
-    exist, and saves by its own staging folder and renames (docs/reliability.md)."""
+    exist, and saves in place as transformers does, an earlier save's weight files removed (docs/reliability.md)."""
     prompts = [prompt for prompt, _ in DEMO_PROMPTS]
     result = run_isolated(PORTABLE_CHILD, [exported, tmp_path / "saves" / "tuned", json.dumps(prompts)],
                           cwd=tmp_path)

@@ -1,13 +1,22 @@
-"""The package's layers point one way: kernels import only torch, triton and the torch-only references below them,
-only the attention seam imports the attention kernel, and no two modules of fat5 import each other in a cycle
-(imports inside functions count: a lazy import hides a cycle, it does not remove it)."""
+"""The package's layers point one way: kernels import only torch, triton, each other and the torch-only references
+below them, only the attention seam imports the attention kernel, and no two modules of fat5 import each other in a
+cycle (imports inside functions count: a lazy import hides a cycle, it does not remove it)."""
 
 import ast
+import re
 import sys
 from pathlib import Path
 
+import pytest
+
 import fat5
-from fat5.remote_code_fat5 import ENTRY_MODULES, RELATIVE_IMPORT, flatten_imports, remote_code_files
+from fat5.remote_code_fat5 import SHIPPED_FILES, flatten_imports, remote_code_files
+
+# The modules a checkpoint loads by name (config.json's auto_map and custom_pipelines).
+ENTRY_MODULES = ("configuration_fat5", "modeling_fat5", "pipeline_fat5")
+RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\S*)\s+import", re.MULTILINE)
+# What a checkpoint folder's code may total (wc -l of the shipped files).
+SHIPPED_LINES = 4000
 
 PACKAGE_DIR = Path(fat5.__file__).resolve().parent
 # Modules the kernels may import from the package: plain torch, nothing of the model above them.
@@ -87,7 +96,7 @@ def test_kernels_depend_only_on_torch_triton_and_references():
     assert kernels
     for name in kernels:
         internal, external = imported_modules(name)
-        assert internal <= KERNEL_DEPENDENCIES, (name, internal)
+        assert internal <= KERNEL_DEPENDENCIES | set(kernels), (name, internal)
         assert external <= KERNEL_THIRD_PARTY | STANDARD_LIBRARY, (name, external)
         assert "triton" in external, f"{name} is not a Triton kernel: it belongs outside kernels/"
     for name in KERNEL_DEPENDENCIES:
@@ -134,3 +143,35 @@ def test_command_line_modules_are_never_exported():
     exported = set(remote_code_files())
     assert not exported & {"cli.py", "files.py", "commands.py", "__main__.py", "__init__.py"}
     assert all("training" not in path.parts and "recipes" not in path.parts for path in remote_code_files().values())
+
+
+def relative_imports(path):
+    """The flat module names a shipped file imports relatively, as it reads in a checkpoint folder."""
+    return set(RELATIVE_IMPORT.findall(flatten_imports(path.read_text())))
+
+
+def test_the_shipped_files_are_the_model_s_import_closure():
+    """SHIPPED_FILES is what a checkpoint needs: every listed file exists, its relative imports (lazy ones included)
+    stay within the list, and the list is exactly the closure of the entry modules' relative imports."""
+    files = remote_code_files()
+    assert len(SHIPPED_FILES) == len(set(SHIPPED_FILES)) and all(path.is_file() for path in files.values()), files
+    outside = {name: sorted(f"{module}.py" for module in relative_imports(path)
+                            if f"{module}.py" not in SHIPPED_FILES) for name, path in files.items()}
+    assert not any(outside.values()), outside
+    closure, pending = set(), [f"{module}.py" for module in ENTRY_MODULES]
+    while pending:
+        name = pending.pop()
+        if name not in closure:
+            closure.add(name)
+            pending.extend(f"{module}.py" for module in relative_imports(files[name]))
+    assert closure == set(SHIPPED_FILES), (sorted(set(SHIPPED_FILES) - closure), sorted(closure - set(SHIPPED_FILES)))
+
+
+def shipped_lines():
+    return sum(len(path.read_text().splitlines()) for path in remote_code_files().values())
+
+
+# Strict: once the code is within the budget this passes, which fails the run until the mark goes.
+@pytest.mark.xfail(strict=True, reason="issue 47: the shipped code is over SHIPPED_LINES (5,859 lines on 2026-12-07)")
+def test_the_shipped_code_stays_within_its_line_budget():
+    assert shipped_lines() <= SHIPPED_LINES, shipped_lines()

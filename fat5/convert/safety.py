@@ -11,8 +11,7 @@ import os
 from pathlib import Path
 
 from fat5.cli import CommandError
-from fat5.remote_code_fat5 import STAGING_MARK  # noqa: F401  (re-exported: the mark of every staging folder)
-from fat5.safe_files import StagedFolder, signals_deferred
+from fat5.safe_files import STAGING_MARK, StagedFolder, signals_deferred  # noqa: F401  (STAGING_MARK re-exported)
 
 
 class OutputError(CommandError):

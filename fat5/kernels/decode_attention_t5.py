@@ -8,13 +8,14 @@ output), and a second kernel merges the chunks of each (batch, head) by their lo
 chunks so that about twice the chip's SM count of programs run; when batch * heads already fills the chip there is
 one chunk, no partials and no merge.
 
-Position bias as in the training kernel: T5's through the (H, 2 * max_distance + 1) table over clamped relative
-positions gathered with torch's exact bucketing (`relative_bias_lut`), ALiBi from the slopes, or none. It is
-added to every score: a decode step reads each key once and is bound by memory, not by this arithmetic. Query row i
-sits at position i + q_offset, where q_offset is an int or a one-element integer tensor on the device that the
-kernel reads (a static cache's counter: no device-to-host copy, so the step can run in a CUDA graph). Padded keys
-come as the (B, Lk) boolean mask, read as it is. batch * heads is grid axis 0 and base offsets are int64, as in the
-training kernel.
+Position bias and key mask are the training kernel's inputs (t5_bias.py, which both kernels share): T5's through
+the (H, 2 * max_distance + 1) table over clamped relative positions (`relative_bias_lut`), ALiBi from the slopes, or
+none, and padded keys as the additive (B, Lk + KEY_MASK_PAD) mask (`additive_key_mask`), so a stack builds each once
+for both kernels. The bias (`near_band_bias`) is added to every score: a decode step reads each key once and is
+bound by memory, not by this arithmetic. Query row i sits at position i + q_offset, where q_offset is an int or a
+one-element integer tensor on the device that the kernel reads (a static cache's counter: no device-to-host copy,
+so the step can run in a CUDA graph). batch * heads is grid axis 0 and base offsets are int64, as in the training
+kernel.
 """
 
 import functools
@@ -30,13 +31,24 @@ except ImportError as error:  # the model imports this module only for the "trit
     raise ImportError("FAT5's triton attention backend needs triton: pip install triton "
                       "(or use attention_backend='sdpa')") from error
 
-from ..reference_fat5 import relative_position_bucket
+from .t5_bias import (
+    KERNEL_LOG2E,
+    LOG2E,
+    bias_kind,
+    cdiv,
+    check_inputs,
+    checked_key_mask,
+    dot_precision,
+    last_dim_contiguous,
+    near_band_bias,
+    new_output,
+    placeholder,
+    position_args,
+    relative_bias_lut,
+)
 
-HEAD_DIMS = (32, 64, 128)
 # The most query rows of one call: one tile of rows (tensor-core dots need at least 16).
 DECODE_MAX_QUERIES = 16
-BIAS_NONE, BIAS_LUT, BIAS_ALIBI = 0, 1, 2
-LOG2E = tl.constexpr(1.4426950408889634)
 # Tests set this to fill the output and the partials with NaN before the kernels run: a row left unwritten fails.
 POISON_OUTPUTS = False
 # Programs a decode step aims for, per SM of the chip: a few short programs per SM hide each other's load latency.
@@ -67,15 +79,10 @@ def decode_grid(batch, heads, key_length, block_n, sm_count, num_splits=None):
     """(grid, keys per chunk) of one decode call: grid = (batch * heads, chunks), every chunk whole key tiles.
     Chunks are added until about PROGRAMS_PER_SM * sm_count programs run, at most one per key tile; `num_splits`
     asks for that many chunks instead (at most one per tile)."""
-    tiles = max(_cdiv(key_length, block_n), 1)
-    wanted = num_splits or _cdiv(PROGRAMS_PER_SM * sm_count, batch * heads)
-    tiles_per_chunk = _cdiv(tiles, min(max(wanted, 1), tiles))
-    return (batch * heads, _cdiv(tiles, tiles_per_chunk)), tiles_per_chunk * block_n
-
-
-def _cdiv(numerator, denominator):
-    """triton.cdiv without its constexpr wrapper (a few microseconds a call on the host)."""
-    return -(-numerator // denominator)
+    tiles = max(cdiv(key_length, block_n), 1)
+    wanted = num_splits or cdiv(PROGRAMS_PER_SM * sm_count, batch * heads)
+    tiles_per_chunk = cdiv(tiles, min(max(wanted, 1), tiles))
+    return (batch * heads, cdiv(tiles, tiles_per_chunk)), tiles_per_chunk * block_n
 
 
 @triton.jit
@@ -105,7 +112,7 @@ def _decode_chunk_kernel(Q, K, V, Out, PartMax, PartSum, PartAcc, LUT, SLOPES, K
     v_base = V + b * stride_vb + h * stride_vh
     slope = 0.0
     if BIAS_TYPE == 2:
-        slope = tl.load(SLOPES + h) * LOG2E
+        slope = tl.load(SLOPES + h) * KERNEL_LOG2E
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seqlen_k)
     if CAUSAL:  # the last row, at seqlen_q - 1 + q_offset, sees no key after it
@@ -120,15 +127,11 @@ def _decode_chunk_kernel(Q, K, V, Out, PartMax, PartSum, PartAcc, LUT, SLOPES, K
         kt = tl.load(k_base + cols[None, :] * stride_kn + offs_d[:, None], mask=col_ok[None, :], other=0.0)
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
         relative = cols[None, :] - (rows[:, None] + q_offset)
-        if BIAS_TYPE == 1:
-            index = tl.minimum(tl.maximum(relative, -MAX_DIST), MAX_DIST) + MAX_DIST
-            s += tl.load(LUT + h * stride_lut_h + index) * LOG2E
-        elif BIAS_TYPE == 2:
-            s -= slope * tl.abs(relative).to(tl.float32)
-        visible = col_ok[None, :]
-        if HAS_KMASK:
-            kept = tl.load(KMASK + b * stride_mask_b + cols, mask=col_ok, other=0) != 0
-            visible = visible & kept[None, :]
+        if BIAS_TYPE != 0:
+            s += near_band_bias(relative, LUT + h * stride_lut_h, slope, 1.0, MAX_DIST, BIAS_TYPE)
+        if HAS_KMASK:  # 0 for kept keys, -inf for padding and past the end (KEY_MASK_PAD columns: no bounds check)
+            s += tl.load(KMASK + b * stride_mask_b + cols)[None, :]
+        visible = col_ok[None, :]  # keys past the chunk's end are the next chunk's
         if CAUSAL:
             visible = visible & (relative <= 0)
         s = tl.where(visible, s, float("-inf"))
@@ -184,34 +187,8 @@ def _decode_merge_kernel(PartMax, PartSum, PartAcc, Out, stride_ob, stride_oh, s
              out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _dot_precision(dtype):
-    """fp32 inputs use TF32 tensor cores only where torch's own fp32 matmuls may (set_float32_matmul_precision)."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        return "ieee"
-    return "tf32"
-
-
 def _new(shape, like, dtype=None):
-    dtype = dtype or like.dtype
-    if POISON_OUTPUTS:
-        return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
-    return torch.empty(shape, dtype=dtype, device=like.device)
-
-
-# One-element tensors passed where a kernel takes a pointer it does not read (no bias table, no key mask, no tensor
-# offset, no partials), one per (device, dtype) instead of a new one each call. Never written, never returned.
-_PLACEHOLDERS = {}
-
-
-def _placeholder(device, dtype=torch.float32):
-    key = (device, dtype)
-    tensor = _PLACEHOLDERS.get(key)
-    if tensor is None:
-        with torch.inference_mode(False):
-            tensor = torch.zeros(1, dtype=dtype, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # not a graph's memory
-            _PLACEHOLDERS[key] = tensor
-    return tensor
+    return new_output(shape, like, dtype, POISON_OUTPUTS)
 
 
 def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias_lut: Optional[torch.Tensor],
@@ -223,13 +200,9 @@ def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     batch, heads, seqlen_q, head_dim = query.shape
     seqlen_k = key.shape[2]
     out = _new(query.shape, query)
-    placeholder = _placeholder(query.device)
-    bias_type, max_dist = BIAS_NONE, 1
-    if bias_lut is not None:
-        bias_type, max_dist = BIAS_LUT, (bias_lut.shape[1] - 1) // 2
-    elif alibi_slopes is not None:
-        bias_type = BIAS_ALIBI
-    lut = bias_lut if bias_lut is not None else placeholder
+    unused = placeholder(query.device)
+    bias_type, max_dist = bias_kind(bias_lut, alibi_slopes)
+    lut = bias_lut if bias_lut is not None else unused
     block_n, warps, stages = _blocks(head_dim, query.dtype, query.device)
     grid, chunk = decode_grid(batch, heads, seqlen_k, block_n, _sm_count(query.device), num_splits or None)
     split = grid[1] > 1
@@ -238,17 +211,17 @@ def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         part_max, part_sum = _new(part_shape, query, torch.float32), _new(part_shape, query, torch.float32)
         part_acc = _new((*part_shape, head_dim), query, torch.float32)
     else:  # one chunk writes the output itself
-        part_max = part_sum = part_acc = placeholder
+        part_max = part_sum = part_acc = unused
     _decode_chunk_kernel[grid](
         query, key, value, out, part_max, part_sum, part_acc, lut,
-        alibi_slopes if alibi_slopes is not None else placeholder,
-        key_mask if key_mask is not None else placeholder,
-        q_offset_tensor if q_offset_tensor is not None else placeholder,
+        alibi_slopes if alibi_slopes is not None else unused,
+        key_mask if key_mask is not None else unused,
+        q_offset_tensor if q_offset_tensor is not None else unused,
         *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *out.stride()[:3], lut.stride(0),
         key_mask.stride(0) if key_mask is not None else 0, heads, seqlen_q, seqlen_k, q_offset, chunk,
-        scale * LOG2E.value, MAX_DIST=max_dist, BIAS_TYPE=bias_type, CAUSAL=causal,
+        scale * LOG2E, MAX_DIST=max_dist, BIAS_TYPE=bias_type, CAUSAL=causal,
         HAS_KMASK=key_mask is not None, OFFSET_TENSOR=q_offset_tensor is not None, SPLIT=split, HEAD_DIM=head_dim,
-        DOT_PRECISION=_dot_precision(query.dtype), BLOCK_M=DECODE_MAX_QUERIES, BLOCK_N=block_n, num_warps=warps,
+        DOT_PRECISION=dot_precision(query.dtype), BLOCK_M=DECODE_MAX_QUERIES, BLOCK_N=block_n, num_warps=warps,
         num_stages=stages)
     if split:
         _decode_merge_kernel[(batch * heads,)](part_max, part_sum, part_acc, out, *out.stride()[:3], heads,
@@ -265,36 +238,6 @@ def _(query, key, value, bias_lut, alibi_slopes, key_mask, q_offset_tensor, q_of
     return query.new_empty(query.shape)
 
 
-def _lut_index(heads, bidirectional, num_buckets, max_distance, device):
-    """(H, 2 * max_distance + 1) index into the flattened (num_buckets, H) table: entry (h, r) is bucket(r) * H + h,
-    the bucket of relative position r - max_distance by the exact torch bucketing."""
-    relative = torch.arange(-max_distance, max_distance + 1, device=device)
-    buckets = relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
-    return buckets[None, :] * heads + torch.arange(heads, device=device)[:, None]
-
-
-# _lut_index of each (H, bidirectional, num_buckets, max_distance, device), built once in eager mode.
-_LUT_INDICES = {}
-
-
-def relative_bias_lut(bias_table, bidirectional, num_buckets, max_distance):
-    """(H, 2 * max_distance + 1) bias per clamped relative position -max_distance..max_distance, gathered from the
-    (num_buckets, H) T5 weight with the exact torch bucketing (the training kernel's table): one gather, its index
-    built once per device and shape (inline where torch.compile traces or a CUDA graph captures)."""
-    key = (bias_table.shape[1], bool(bidirectional), num_buckets, max_distance, bias_table.device)
-    if torch.compiler.is_compiling():
-        index = _lut_index(*key)
-    else:
-        index = _LUT_INDICES.get(key)
-        if index is None:
-            with torch.inference_mode(False):
-                index = _lut_index(*key)
-            if not (bias_table.is_cuda and torch.cuda.is_current_stream_capturing()):  # not a graph's memory
-                _LUT_INDICES[key] = index
-    lut = bias_table.reshape(-1)[index]
-    return lut if lut.dtype == torch.float32 else lut.float()
-
-
 def _checked_offset(q_offset, device):
     """(tensor or None, int) of a query offset given as an int or a one-element integer tensor on `device`."""
     if not isinstance(q_offset, torch.Tensor):
@@ -308,53 +251,31 @@ def _checked_offset(q_offset, device):
 
 def decode_attention_t5(query, key, value, *, bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
                         alibi_slopes=None, key_padding_mask=None, causal=False, q_offset=0, scale=1.0,
-                        num_splits=None, bias_lut=None):
+                        num_splits=None, bias_lut=None, key_mask=None):
     """Attention of at most DECODE_MAX_QUERIES query rows over (B, H, L, D) tensors, forward only, with the T5 bias
     (or ALiBi, or none) computed in the kernel: `flash_attention_t5`'s contract for a decode step. `q_offset` is an
     int or a one-element integer tensor on the inputs' device (read by the kernel, never by the host).
     `num_splits` forces that many key chunks (at most one per key tile); by default `decode_grid` chooses.
-    `bias_lut`: the T5 table already gathered by `relative_bias_lut` (what the layers of one forward share), in
-    place of `bias_table`."""
+    `bias_lut` (`relative_bias_lut` of the table) and `key_mask` (`additive_key_mask` of the key mask) take the
+    place of `bias_table` and `key_padding_mask`, as in `flash_attention_t5`: a stack builds them once for its
+    layers, whichever kernel runs them."""
+    check_inputs("decode_attention_t5", query, key, value)
     batch, heads, query_length, head_dim = query.shape
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"decode_attention_t5 supports head dims {HEAD_DIMS}, got {head_dim}")
     if query_length > DECODE_MAX_QUERIES:
         raise ValueError(f"decode_attention_t5 takes at most {DECODE_MAX_QUERIES} query rows, got {query_length}: "
                          "use flash_attention_t5")
-    if key.dim() != 4 or key.shape[:2] != (batch, heads) or key.shape[-1] != head_dim or value.shape != key.shape:
+    if key.dim() != 4 or key.shape[:2] != (batch, heads) or value.shape != key.shape:
         raise ValueError(f"key and value must be (B, H, Lk, D) with B, H, D = {batch}, {heads}, {head_dim}; got "
                          f"{tuple(key.shape)} and {tuple(value.shape)}")
-    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in (torch.float32, torch.float16,
-                                                                            torch.bfloat16):
-        raise ValueError(f"query, key and value must share one of float32/float16/bfloat16, got {query.dtype}, "
-                         f"{key.dtype}, {value.dtype}")
-    if sum(t is not None for t in (bias_table, bias_lut, alibi_slopes)) > 1:
-        raise ValueError("pass one of bias_table (T5), bias_lut (T5's, from relative_bias_lut) and alibi_slopes")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                        for t in (query, key, value, bias_table, bias_lut, alibi_slopes)):
         raise ValueError("decode_attention_t5 is forward only (generation): use flash_attention_t5 where a "
                          "gradient is needed")
-    if bias_lut is not None and (bias_lut.dim() != 2 or bias_lut.shape[0] != heads or bias_lut.shape[1] % 2 == 0
-                                 or bias_lut.dtype != torch.float32 or bias_lut.stride(-1) != 1):
-        raise ValueError(f"bias_lut must be relative_bias_lut's (heads, 2 * max_distance + 1) float32 table for "
-                         f"{heads} heads, got {tuple(bias_lut.shape)} {bias_lut.dtype}")
-    if bias_table is not None:
-        if tuple(bias_table.shape) != (num_buckets, heads):
-            raise ValueError(f"bias_table must have shape (num_buckets, heads) = {(num_buckets, heads)}, "
-                             f"got {tuple(bias_table.shape)}")
-        bias_lut = relative_bias_lut(bias_table, bidirectional, num_buckets, max_distance)
-    if alibi_slopes is not None:
-        alibi_slopes = alibi_slopes.float().contiguous()
-    key_mask = None
-    if key_padding_mask is not None:
-        if tuple(key_padding_mask.shape) != (batch, key.shape[2]):
-            raise ValueError(f"key_padding_mask must be (B, Lk) = {(batch, key.shape[2])}, "
-                             f"got {tuple(key_padding_mask.shape)}")
-        key_mask = key_padding_mask.to(torch.bool)
-        key_mask = (key_mask if key_mask.stride(-1) == 1 else key_mask.contiguous()).view(torch.uint8)
+    bias_lut, alibi_slopes = position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_slopes,
+                                           heads, bias_lut)
+    key_mask = checked_key_mask(key_padding_mask, key_mask, batch, key.shape[2])
     offset_tensor, offset = _checked_offset(q_offset, query.device)
-    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
-        query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    query, key, value = last_dim_contiguous(query, key, value)
     # Traced (torch.compile, torch.export) or given tensor subclasses (fake, meta), the op; run eagerly, its body.
     eager = not (torch.compiler.is_compiling() or query.is_meta) and type(query) is type(key) is type(value) \
         is torch.Tensor
@@ -363,4 +284,4 @@ def decode_attention_t5(query, key, value, *, bias_table=None, bidirectional=Tru
         int(num_splits or 0))
 
 
-__all__ = ["DECODE_MAX_QUERIES", "decode_attention_t5", "decode_grid"]
+__all__ = ["DECODE_MAX_QUERIES", "decode_attention_t5", "decode_grid", "relative_bias_lut"]

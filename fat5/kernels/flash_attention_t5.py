@@ -3,9 +3,10 @@
 The (L, L) bias is never built. T5's bucket of a query-key pair depends only on their relative position, and
 every |relative position| >= max_distance shares the bucket of +-max_distance. So the bias is a per-head
 lookup table over the 2 * max_distance + 1 clamped relative positions, gathered from the (num_buckets, H)
-weight with the exact torch bucketing (`relative_position_bucket`) before the kernel; the kernel adds
-``lut[h, clamp(k - q)]``. Its gradient comes back as the gradient of that small table and reaches the bucket
-weight through ordinary autograd of the gather, so every length and both signs are handled by one definition.
+weight with the exact torch bucketing (`relative_bias_lut` of t5_bias.py, which the decode kernel shares) before
+the kernel; the kernel adds ``lut[h, clamp(k - q)]`` (`near_band_bias`, shared too). Its gradient comes back as
+the gradient of that small table and reaches the bucket weight through ordinary autograd of the gather, so every
+length and both signs are handled by one definition.
 
 Most tiles of a long sequence lie entirely beyond +-max_distance: there the bias is one scalar per head. Each
 program therefore walks its tiles in three loops with scalar bounds (far-left, near band, far-right), the bias
@@ -41,15 +42,29 @@ except ImportError as error:  # the model imports this module only for the "trit
     raise ImportError("FAT5's triton attention backend needs triton: pip install triton "
                       "(or use attention_backend='sdpa')") from error
 
-from ..reference_fat5 import relative_position_bucket
+from .t5_bias import (
+    BIAS_ALIBI,
+    BIAS_LUT,
+    BIAS_NONE,
+    HEAD_DIMS,
+    KERNEL_LOG2E,
+    KEY_MASK_PAD,
+    LOG2E,
+    UnsupportedChip,
+    additive_key_mask,
+    capability,
+    cdiv,
+    check_inputs,
+    checked_key_mask,
+    dot_precision,
+    last_dim_contiguous,
+    near_band_bias,
+    new_output,
+    placeholder,
+    position_args,
+    relative_bias_lut,
+)
 
-HEAD_DIMS = (32, 64, 128)
-BIAS_NONE, BIAS_LUT, BIAS_ALIBI = 0, 1, 2
-LOG2E = 1.4426950408889634
-# Compiled (non-interpreted) kernels may only read globals wrapped as constexpr.
-KERNEL_LOG2E = tl.constexpr(LOG2E)
-# Columns of -inf after the additive key mask: at least the widest key tile (_blocks' BLOCK_N).
-KEY_MASK_PAD = 128
 # Tests set this to fill outputs with NaN before the kernels run, so a tile left unwritten fails loudly.
 POISON_OUTPUTS = False
 # Philox rounds of the dropout generator. 7 is the fewest that Salmon et al. (SC 2011, "Parallel random numbers:
@@ -190,45 +205,13 @@ def chip_tiles(capability, kernel, head_dim, dropout=False, packed=False):
     return table.get(f"{kernel} packed" if packed else kernel, table[kernel])[column]
 
 
-# (major, minor) compute capability of each CUDA device, asked once (the query costs microseconds on every call).
-_CAPABILITIES = {}
-
-
-def _capability(device):
-    capability = _CAPABILITIES.get(device)
-    if capability is None:
-        capability = _CAPABILITIES[device] = torch.cuda.get_device_capability(device)
-    return capability
-
-
 def _blocks(head_dim, kernel, device, dropout=False, packed=False):
     """The tiles of `kernel` on `device`: small ones in the CPU interpreter, the chip's (chip_tiles) on a GPU (None
     for a variant's kernel without tiles there)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return 16, 16, 1, 1
-    major, minor = _capability(device)
+    major, minor = capability(device)
     return chip_tiles(major * 10 + minor, kernel, head_dim, dropout, packed)
-
-
-def _cdiv(numerator, denominator):
-    """triton.cdiv without its constexpr wrapper (a few microseconds a call on the host)."""
-    return -(-numerator // denominator)
-
-
-# One-element tensors passed where a kernel takes a pointer it does not read (no bias table, no key mask, not packed,
-# no dropout), one per (device, dtype) instead of a new one each call. Never written, never handed to the caller.
-_PLACEHOLDERS = {}
-
-
-def _placeholder(device, dtype):
-    key = (device, dtype)
-    tensor = _PLACEHOLDERS.get(key)
-    if tensor is None:
-        with torch.inference_mode(False):
-            tensor = torch.zeros(2, dtype=dtype, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):  # not a graph's memory
-            _PLACEHOLDERS[key] = tensor
-    return tensor
 
 
 # Key tiles (forward, dQ) or query tiles (dK/dV) by where they lie relative to the +-max_distance band. Each kind
@@ -316,13 +299,11 @@ def _scores(q, kt, rows, cols, start_m, start_n, b, h, k_len, q_offset, qk_scale
     else:
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale + column[None, :]
     relative = cols[None, :] - (rows[:, None] + q_offset)
-    if BIAS_TYPE == 1:
-        if REGION == NEAR and not BAND_TILES:
-            index = tl.minimum(tl.maximum(relative, -MAX_DIST), MAX_DIST) + MAX_DIST
-            s += tl.load(LUT + h * stride_lut_h + index) * KERNEL_LOG2E
-    elif BIAS_TYPE == 2:
-        if REGION == NEAR:
-            s -= tl.load(SLOPES + h) * tl.abs(relative).to(tl.float32) * KERNEL_LOG2E
+    if REGION == NEAR and (BIAS_TYPE == 2 or BIAS_TYPE == 1 and not BAND_TILES):
+        slope = 0.0
+        if BIAS_TYPE == 2:
+            slope = tl.load(SLOPES + h)
+        s += near_band_bias(relative, LUT + h * stride_lut_h, slope, KERNEL_LOG2E, MAX_DIST, BIAS_TYPE)
     if MASK_CAUSAL:
         s = tl.where(relative <= 0, s, float("-inf"))
     return s
@@ -875,18 +856,8 @@ def _backward_delta_kernel(O, DO, DELTA, CU_Q, stride_ob, stride_oh, stride_om, 
     tl.store(DELTA + b * stride_lse_b + h * stride_lse_h + q_start + rows, delta, mask=row_ok)
 
 
-def _dot_precision(dtype):
-    """fp32 inputs use TF32 tensor cores only where torch's own fp32 matmuls may (set_float32_matmul_precision)."""
-    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
-        return "ieee"
-    return "tf32"
-
-
 def _new_output(shape, like, dtype=None):
-    dtype = dtype or like.dtype
-    if POISON_OUTPUTS:
-        return torch.full(shape, float("nan"), dtype=dtype, device=like.device)
-    return torch.empty(shape, dtype=dtype, device=like.device)
+    return new_output(shape, like, dtype, POISON_OUTPUTS)
 
 
 def _layout(tensor, varlen):
@@ -917,18 +888,18 @@ def _lse_strides(lse, varlen):
 
 
 def _bias_args(bias_lut, alibi_slopes, query):
-    placeholder = _placeholder(query.device, torch.float32)
+    unused = placeholder(query.device, torch.float32)
     if bias_lut is not None:
-        return BIAS_LUT, bias_lut, placeholder, bias_lut.stride(0), (bias_lut.shape[1] - 1) // 2
+        return BIAS_LUT, bias_lut, unused, bias_lut.stride(0), (bias_lut.shape[1] - 1) // 2
     if alibi_slopes is not None:
-        return BIAS_ALIBI, placeholder, alibi_slopes, 0, 1
-    return BIAS_NONE, placeholder, placeholder, 0, 1
+        return BIAS_ALIBI, unused, alibi_slopes, 0, 1
+    return BIAS_NONE, unused, unused, 0, 1
 
 
 def _dropout_args(dropout_p, dropout_seed, query):
     """(seed tensor, 16-bit threshold, 1 / (1 - p), DROPOUT) for the kernels; p = 0 compiles the dropout out."""
     if dropout_p == 0.0:
-        return _placeholder(query.device, torch.int64), 0, 1.0, False
+        return placeholder(query.device, torch.int64), 0, 1.0, False
     threshold = min(round(dropout_p * 2**DROPOUT_BITS), 2**DROPOUT_BITS - 1)
     return dropout_seed, threshold, 1.0 / (1.0 - dropout_p), True
 
@@ -963,7 +934,7 @@ def _band_args(lut, bias_type, max_dist, scale, query):
     table says it runs there (any in the interpreter), and a nonzero scale (the forward divides the bias by it)."""
     if bias_type != BIAS_LUT or "band_tiles" not in VARIANTS or scale == 0 \
             or not _blocks(query.shape[-1], "band tiles", query.device):
-        return _placeholder(query.device, torch.float32), 0, False
+        return placeholder(query.device, torch.float32), 0, False
     band = _band_matrix(lut, max_dist)
     return band, band.stride(0), True
 
@@ -985,12 +956,12 @@ def _tma_blocks(key, value, wide, dropout):
         return None
     if key.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return 16, 16, 1, 1
-    major, minor = _capability(key.device)
-    capability = major * 10 + minor
-    if chip_tiles(capability, "forward tma", key.shape[-1]) is None:
+    major, minor = capability(key.device)
+    chip = major * 10 + minor
+    if chip_tiles(chip, "forward tma", key.shape[-1]) is None:
         return None
     triton.set_allocator(_tma_scratch)  # a context variable: set where the launch runs
-    return chip_tiles(capability, "forward tma" if wide else "forward", key.shape[-1], dropout)
+    return chip_tiles(chip, "forward tma" if wide else "forward", key.shape[-1], dropout)
 
 
 @torch.library.custom_op("fat5::flash_attention_forward", mutates_args=())
@@ -1005,21 +976,21 @@ def _flash_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     lse = _new_output(_lse_shape(query, varlen), query, torch.float32)
     bias_type, lut, slopes, stride_lut_h, max_dist = _bias_args(bias_lut, alibi_slopes, query)
     band, stride_band_h, band_tiles = _band_args(lut, bias_type, max_dist, scale, query)
-    mask = key_mask if key_mask is not None else _placeholder(query.device, torch.float32)
-    cu_q = cu_seqlens_q if varlen else _placeholder(query.device, torch.int32)
+    mask = key_mask if key_mask is not None else placeholder(query.device, torch.float32)
+    cu_q = cu_seqlens_q if varlen else placeholder(query.device, torch.int32)
     cu_k = cu_seqlens_k if varlen else cu_q
     seed, threshold, dropout_scale, dropout = _dropout_args(dropout_p, dropout_seed, query)
     # TMA's wide key tiles need the near band's registers that band tiles free (and sequences whole tiles long).
     tma_blocks = _tma_blocks(key, value, (bias_type != BIAS_LUT or band_tiles) and not varlen, dropout)
     block_m, block_n, warps, stages = tma_blocks or _blocks(query.shape[-1], "forward", query.device, dropout)
-    grid = (batch * heads, _cdiv(seqlen_q, block_m))
+    grid = (batch * heads, cdiv(seqlen_q, block_m))
     _forward_kernel[grid](
         query, key, value, out, lse, lut, band, slopes, mask, cu_q, cu_k, seed,
         *_layout(query, varlen), *_layout(key, varlen), *_layout(value, varlen), *_layout(out, varlen),
         *_lse_strides(lse, varlen), stride_lut_h, stride_band_h, mask.stride(0),
         heads, seqlen_q, seqlen_k, q_offset, scale * LOG2E, threshold, dropout_scale,
         MAX_DIST=max_dist, BIAS_TYPE=bias_type, CAUSAL=causal, HAS_KMASK=key_mask is not None,
-        IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], DOT_PRECISION=_dot_precision(query.dtype), DROPOUT=dropout,
+        IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], DOT_PRECISION=dot_precision(query.dtype), DROPOUT=dropout,
         BLOCK_M=block_m, BLOCK_N=block_n, BAND_TILES=band_tiles, TMA=tma_blocks is not None, num_warps=warps,
         num_stages=stages)
     return out, lse
@@ -1058,15 +1029,15 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     bias_type, lut, slopes, stride_lut_h, max_dist = _bias_args(bias_lut, alibi_slopes, query)
     band, stride_band_h, band_tiles = _band_args(lut, bias_type, max_dist, scale, query)
     dlut = torch.zeros_like(bias_lut) if bias_lut is not None else query.new_zeros(1, dtype=torch.float32)
-    mask = key_mask if key_mask is not None else _placeholder(query.device, torch.float32)
-    cu_q = cu_seqlens_q if varlen else _placeholder(query.device, torch.int32)
+    mask = key_mask if key_mask is not None else placeholder(query.device, torch.float32)
+    cu_q = cu_seqlens_q if varlen else placeholder(query.device, torch.int32)
     cu_k = cu_seqlens_k if varlen else cu_q
     common = dict(MAX_DIST=max_dist, BIAS_TYPE=bias_type, CAUSAL=causal, HAS_KMASK=key_mask is not None,
-                  IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], DOT_PRECISION=_dot_precision(query.dtype),
+                  IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], DOT_PRECISION=dot_precision(query.dtype),
                   DROPOUT=dropout, BAND_TILES=band_tiles)
     block_m, block_n, warps, stages = fused_blocks or _blocks(query.shape[-1], "dkdv", query.device, dropout, varlen)
     delta = _new_output(lse.shape, lse)
-    _backward_delta_kernel[(batch * heads, _cdiv(seqlen_q, block_m))](
+    _backward_delta_kernel[(batch * heads, cdiv(seqlen_q, block_m))](
         out, grad_out, delta, cu_q, *_layout(out, varlen), *_layout(grad_out, varlen), *_lse_strides(lse, varlen),
         heads, seqlen_q, IS_VARLEN=varlen, HEAD_DIM=query.shape[-1], BLOCK_M=block_m, num_warps=warps)
     strides = (*_layout(query, varlen), *_layout(key, varlen), *_layout(value, varlen),
@@ -1074,15 +1045,15 @@ def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     scalars = (*_lse_strides(lse, varlen), stride_lut_h, stride_band_h, mask.stride(0), heads, seqlen_q, seqlen_k,
                q_offset, scale * LOG2E, scale, threshold, dropout_scale)
     # Without fused_backward the dK/dV kernel neither reads nor writes dQ and the table gradient: placeholders.
-    fused_outputs = (dq, dlut) if fused else (_placeholder(query.device, torch.float32),) * 2
-    _backward_dkdv_kernel[(batch * heads, _cdiv(seqlen_k, block_n))](
+    fused_outputs = (dq, dlut) if fused else (placeholder(query.device, torch.float32),) * 2
+    _backward_dkdv_kernel[(batch * heads, cdiv(seqlen_k, block_n))](
         query, key, value, grad_out, lse, delta, dk, dv, *fused_outputs, lut, band, slopes, mask, cu_q, cu_k, seed,
         *strides, *_layout(dk, varlen), *_layout(dv, varlen), *(_layout(dq, varlen) if fused else (0, 0, 0)),
         *scalars, **common, FUSED=fused, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
     if fused:
         return dq.mul_(scale * dropout_scale).to(query.dtype), dk, dv, dlut
     block_m, block_n, warps, stages = _blocks(query.shape[-1], "dq", query.device, dropout, varlen)
-    _backward_dq_kernel[(batch * heads, _cdiv(seqlen_q, block_m))](
+    _backward_dq_kernel[(batch * heads, cdiv(seqlen_q, block_m))](
         query, key, value, grad_out, lse, delta, dq, dlut, lut, band, slopes, mask, cu_q, cu_k, seed,
         *strides, *_layout(dq, varlen), *scalars,
         **common, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
@@ -1116,70 +1087,6 @@ def _backward(ctx, grad_out, grad_lse):
 _flash_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _lut_index(heads, bidirectional, num_buckets, max_distance, device):
-    """(H, 2 * max_distance + 1) index into the flattened (num_buckets, H) table: entry (h, r) is bucket(r) * H + h,
-    the bucket of relative position r - max_distance by the exact torch bucketing."""
-    relative = torch.arange(-max_distance, max_distance + 1, device=device)
-    buckets = relative_position_bucket(relative, bidirectional, num_buckets, max_distance)
-    return buckets[None, :] * heads + torch.arange(heads, device=device)[:, None]
-
-
-# _lut_index of each (H, bidirectional, num_buckets, max_distance, device), built once in eager mode: the bucketing is
-# about 15 ops, the same every call. Made outside inference mode, so that a lookup table built under autograd can
-# save it for its backward.
-_LUT_INDICES = {}
-
-
-def relative_bias_lut(bias_table, bidirectional, num_buckets, max_distance):
-    """(H, 2 * max_distance + 1) bias per clamped relative position -max_distance..max_distance, gathered
-    (differentiably) from the (num_buckets, H) T5 weight with the exact torch bucketing. The layers of a stack that
-    share one table can share its table too (`bias_lut=` of `flash_attention_t5`): their gradients add up in it.
-    One gather (and a cast to float32 for a half-precision table): the index is built once per device and shape,
-    inline where torch.compile traces (it folds the constant) or a CUDA graph captures."""
-    key = (bias_table.shape[1], bool(bidirectional), num_buckets, max_distance, bias_table.device)
-    if torch.compiler.is_compiling():
-        index = _lut_index(*key)
-    else:
-        index = _LUT_INDICES.get(key)
-        if index is None:
-            with torch.inference_mode(False):
-                index = _lut_index(*key)
-            if not (bias_table.is_cuda and torch.cuda.is_current_stream_capturing()):  # not a graph's memory
-                _LUT_INDICES[key] = index
-    lut = bias_table.reshape(-1)[index]
-    return lut if lut.dtype == torch.float32 else lut.float()
-
-
-def additive_key_mask(key_padding_mask):
-    """The kernel's form of a (B, Lk) key mask (True = attend): (B, Lk + KEY_MASK_PAD) float32, 0 for a kept key,
-    -inf for padding and for the KEY_MASK_PAD columns past the end, so key tiles read it without a bounds check (one
-    add per score, no compare). Layers that share a key mask can share this (`key_mask=` of `flash_attention_t5`)."""
-    batch, key_length = key_padding_mask.shape
-    mask = torch.full((batch, key_length + KEY_MASK_PAD), float("-inf"), device=key_padding_mask.device)
-    return mask.masked_fill_(torch.nn.functional.pad(key_padding_mask.bool(), (0, KEY_MASK_PAD)), 0.0)
-
-
-class UnsupportedChip(ValueError):
-    """The kernel cannot run these inputs on this GPU (bf16 on a chip without it)."""
-
-
-def _check(query, key, value, head_dim_axis=-1):
-    head_dim = query.shape[head_dim_axis]
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"flash_attention_t5 supports head dims {HEAD_DIMS}, got {head_dim}")
-    if key.shape[-1] != head_dim or value.shape[-1] != head_dim:
-        raise ValueError(f"query, key and value must share the head dim, got {query.shape[-1]}, "
-                         f"{key.shape[-1]}, {value.shape[-1]}")
-    if not (query.dtype == key.dtype == value.dtype) or query.dtype not in (torch.float32, torch.float16,
-                                                                            torch.bfloat16):
-        raise ValueError(f"query, key and value must share one of float32/float16/bfloat16, got {query.dtype}, "
-                         f"{key.dtype}, {value.dtype}")
-    if query.dtype == torch.bfloat16 and query.is_cuda and _capability(query.device) < (8, 0):
-        major, minor = _capability(query.device)
-        raise UnsupportedChip(f"{torch.cuda.get_device_name(query.device)} (sm_{major}{minor}) has no bfloat16: the "
-                              "kernel takes float16 or float32 there")
-
-
 def draw_dropout_seed(device):
     """A (2,) int64 tensor (Philox key, stream) drawn from torch's default generator for `device`.
 
@@ -1205,30 +1112,6 @@ def _dropout_inputs(dropout_p, dropout_seed, device):
     return dropout_p, dropout_seed.contiguous()  # the kernels read the key at SEED and the stream at SEED + 1
 
 
-def _last_dim_contiguous(query, key, value):
-    """The kernels read rows with unit stride: anything else is copied (the others are passed as they are)."""
-    if query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1:
-        return query, key, value
-    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-
-
-def _position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_slopes, heads, bias_lut):
-    if sum(x is not None for x in (bias_table, bias_lut, alibi_slopes)) > 1:
-        raise ValueError("pass one of bias_table (T5), bias_lut (T5's, from relative_bias_lut) and alibi_slopes")
-    if bias_table is not None:
-        if tuple(bias_table.shape) != (num_buckets, heads):
-            raise ValueError(f"bias_table must have shape (num_buckets, heads) = {(num_buckets, heads)}, "
-                             f"got {tuple(bias_table.shape)}")
-        bias_lut = relative_bias_lut(bias_table, bidirectional, num_buckets, max_distance)
-    elif bias_lut is not None and (bias_lut.dim() != 2 or bias_lut.shape[0] != heads or bias_lut.shape[1] % 2 == 0
-                                   or bias_lut.dtype != torch.float32 or bias_lut.stride(-1) != 1):
-        raise ValueError(f"bias_lut must be relative_bias_lut's (heads, 2 * max_distance + 1) float32 table for "
-                         f"{heads} heads, got {tuple(bias_lut.shape)} {bias_lut.dtype}")
-    if alibi_slopes is not None:
-        alibi_slopes = alibi_slopes.float().contiguous()
-    return bias_lut, alibi_slopes
-
-
 def flash_attention_t5(query, key, value, *, bias_table=None, bidirectional=True, num_buckets=32, max_distance=128,
                        alibi_slopes=None, key_padding_mask=None, causal=False, q_offset=0, scale=1.0, dropout_p=0.0,
                        dropout_seed=None, bias_lut=None, key_mask=None):
@@ -1241,27 +1124,16 @@ def flash_attention_t5(query, key, value, *, bias_table=None, bidirectional=True
     place of `bias_table` and `key_padding_mask` for callers that build them once for several layers.
     Differentiable w.r.t. query, key, value and bias_table (or bias_lut).
     """
-    _check(query, key, value)
+    check_inputs("flash_attention_t5", query, key, value)
     batch, heads, query_length, _ = query.shape
     if key.shape[:2] != (batch, heads) or value.shape != key.shape:
         raise ValueError(f"key and value must be (B, H, Lk, D) with B, H = {batch}, {heads}; got "
                          f"{tuple(key.shape)} and {tuple(value.shape)}")
-    if key_padding_mask is not None:
-        if key_mask is not None:
-            raise ValueError("pass key_padding_mask or key_mask (additive_key_mask's), not both")
-        if tuple(key_padding_mask.shape) != (batch, key.shape[2]):
-            raise ValueError(f"key_padding_mask must be (B, Lk) = {(batch, key.shape[2])}, "
-                             f"got {tuple(key_padding_mask.shape)}")
-        key_mask = additive_key_mask(key_padding_mask)
-    elif key_mask is not None and (tuple(key_mask.shape) != (batch, key.shape[2] + KEY_MASK_PAD)
-                                   or key_mask.dtype != torch.float32 or key_mask.stride(-1) != 1):
-        raise ValueError(f"key_mask must be additive_key_mask's (B, Lk + {KEY_MASK_PAD}) = "
-                         f"{(batch, key.shape[2] + KEY_MASK_PAD)} float32 mask, got {tuple(key_mask.shape)} "
-                         f"{key_mask.dtype}")
-    bias_lut, alibi_slopes = _position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_slopes,
+    key_mask = checked_key_mask(key_padding_mask, key_mask, batch, key.shape[2])
+    bias_lut, alibi_slopes = position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_slopes,
                                             heads, bias_lut)
     dropout_p, dropout_seed = _dropout_inputs(dropout_p, dropout_seed, query.device)
-    query, key, value = _last_dim_contiguous(query, key, value)
+    query, key, value = last_dim_contiguous(query, key, value)
     out, _ = _flash_attention_forward(query, key, value, bias_lut, alibi_slopes, key_mask, None, None,
                                       query_length, key.shape[2], bool(causal), int(q_offset), float(scale),
                                       dropout_p, dropout_seed)
@@ -1275,17 +1147,17 @@ def flash_attention_t5_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max
     """Packed sequences: query (total_q, H, D), key/value (total_k, H, D), cu_seqlens int32 (N + 1,).
     Sequence n is rows cu_seqlens[n]:cu_seqlens[n + 1]; it sees only itself, positions restarting at 0.
     Dropout as in `flash_attention_t5`, sequence n counted as batch entry n with rows and columns from 0."""
-    _check(query, key, value)
+    check_inputs("flash_attention_t5", query, key, value)
     heads = query.shape[1]
     if key.shape[1] != heads or value.shape != key.shape:
         raise ValueError(f"key and value must be (total_k, H, D) with H = {heads}; got {tuple(key.shape)} and "
                          f"{tuple(value.shape)}")
     if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be 1-D with one entry per sequence plus one")
-    bias_lut, alibi_slopes = _position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_slopes,
+    bias_lut, alibi_slopes = position_args(bias_table, bidirectional, num_buckets, max_distance, alibi_slopes,
                                             heads, bias_lut)
     dropout_p, dropout_seed = _dropout_inputs(dropout_p, dropout_seed, query.device)
-    query, key, value = _last_dim_contiguous(query, key, value)
+    query, key, value = last_dim_contiguous(query, key, value)
     out, _ = _flash_attention_forward(query, key, value, bias_lut, alibi_slopes, None,
                                       cu_seqlens_q.to(torch.int32).contiguous(),
                                       cu_seqlens_k.to(torch.int32).contiguous(), int(max_seqlen_q),
@@ -1293,5 +1165,5 @@ def flash_attention_t5_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max
     return out
 
 
-__all__ = ["UnsupportedChip", "additive_key_mask", "chip_tiles", "draw_dropout_seed", "flash_attention_t5",
-           "flash_attention_t5_varlen", "relative_bias_lut"]
+__all__ = ["HEAD_DIMS", "KEY_MASK_PAD", "UnsupportedChip", "additive_key_mask", "chip_tiles", "draw_dropout_seed",
+           "flash_attention_t5", "flash_attention_t5_varlen", "relative_bias_lut"]

@@ -173,6 +173,9 @@ RTX_BLACKWELL = dict(AMPERE, forward=((128, 32, 8, 3), (128, 32, 8, 3), (128, 16
                      dkdv=((64, 32, 4, 2), (64, 32, 4, 2), (64, 16, 8, 2)),
                      dq=((32, 32, 4, 2), (32, 32, 4, 1), (64, 32, 4, 2)))  # d = 64 packed: 2 stages spilled 16
 RTX_BLACKWELL["forward dropout"] = RTX_BLACKWELL["forward"]
+# With dropout, dQ at d = 64 on 64 x 32, 4 warps (128 x 32 on 8 warps spilled 8 bytes on packed rows under triton
+# 3.9, 64 on one stage).
+RTX_BLACKWELL["dq dropout"] = ((128, 32, 8, 2), (64, 32, 4, 2), AMPERE["dq dropout"][2])
 TURING = {  # no tensor cores in Triton's build (FMA dots hold whole operand rows in registers), 64 KB: small tiles
     # on 8 warps (at d = 128, 16 x 16: one score a thread, or the forward and dQ spill 0.7-2.5 KB)
     "forward": ((32, 32, 8, 1), (32, 32, 8, 1), (16, 16, 8, 1)),

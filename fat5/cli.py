@@ -291,6 +291,15 @@ def run(command, argv=None, extra=None):
         if not _interruptions:
             previous_unraisable(report)
 
+    def on_uncaught(exc_type, *exc_info):
+        # In a forked worker after a Ctrl-C, what it broke is no bug to report: a worker's thread handing a batch to
+        # its main process, which the Ctrl-C interrupted, reports the closed connection through sys.excepthook. The
+        # same report comes when only the main process got the signal (`kill PID`): a connection its main process
+        # closed is never a forked worker's to report.
+        forked = os.getpid() != main_process
+        if not (forked and (_interruptions or issubclass(exc_type, ConnectionError))):
+            previous_excepthook(exc_type, *exc_info)
+
     notice = loading_notice()
     in_main_thread = threading.current_thread() is threading.main_thread()
     # A signal the command was started with ignored stays ignored: a script's background job (`fat5 train ... &`)
@@ -298,6 +307,7 @@ def run(command, argv=None, extra=None):
     previous = {number: signal.signal(number, on_signal) for number in STOPPED_BY
                 if signal.getsignal(number) is not signal.SIG_IGN} if in_main_thread else {}
     previous_unraisable, sys.unraisablehook = sys.unraisablehook, on_unraisable
+    previous_excepthook, sys.excepthook = sys.excepthook, on_uncaught
     try:
         command(argv, progress)
         raise_if_interrupted()
@@ -318,7 +328,7 @@ def run(command, argv=None, extra=None):
         if notice is not None:
             notice.remove()
         _interruptions.clear()
-        sys.unraisablehook = previous_unraisable
+        sys.unraisablehook, sys.excepthook = previous_unraisable, previous_excepthook
         for number, handler in previous.items():
             signal.signal(number, handler)
     return 0

@@ -37,13 +37,16 @@ def test_a_ctrl_c_that_python_drops_still_ends_the_command_in_one_line(capsys):
 
 def test_forked_workers_carry_on_through_the_ctrl_c_their_main_process_handles(capfd):
     """A terminal's Ctrl-C also reaches the data-loader workers the command forked: they inherit the handler and
-    must not print a traceback of their own (their main process stops them)."""
+    must not print a traceback of their own (their main process stops them), not even for the connection to
+    their interrupted main process that a worker's thread then finds closed."""
 
     def command(argv, progress):
         child = os.fork()
         if child == 0:
             try:
                 signal.raise_signal(signal.SIGINT)
+                error = ConnectionResetError("the main process closed the connection")
+                sys.excepthook(type(error), error, None)
             except KeyboardInterrupt:
                 os._exit(1)
             os._exit(0)
@@ -97,16 +100,15 @@ def test_a_forked_child_ends_on_sigterm_without_a_word(capfd):
     assert capfd.readouterr().err == ""
 
 
-def test_a_forked_worker_reports_through_pythons_own_hooks(capfd):
-    """`run` replaces no exception hook: a forked worker's thread reports through threading.excepthook, which never
-    calls sys.excepthook, so a filter there silenced nothing (tests/test_pretrain_runs.py's SIGTERM to the main
-    process alone checks that a worker says nothing of the connection its main process closed). A worker's own
-    failure is reported."""
+def test_a_forked_worker_never_reports_the_connection_its_main_process_closed(capfd):
+    """When only the main process gets the signal (`kill PID`), a worker's thread still finds the connection a batch
+    was travelling on closed: not the worker's to report. Its other reports are."""
 
     def command(argv, progress):
-        assert sys.excepthook is sys.__excepthook__
         child = os.fork()
         if child == 0:
+            error = ConnectionResetError("the main process closed the connection")
+            sys.excepthook(type(error), error, None)
             error = ValueError("a worker's own failure")
             sys.excepthook(type(error), error, None)
             sys.stderr.flush()

@@ -64,6 +64,7 @@ if TYPE_CHECKING:
     # Never run: only the seam imports the attention kernel. Loading a checkpoint *folder*, transformers 4.x copies
     # only the files this entry module imports relatively (not what those import), so it must read them here.
     from .attention_guard_fat5 import guarded_triton_attention_forward  # noqa: F401
+    from .custom_ops_fat5 import custom_op  # noqa: F401
     from .kernels.decode_attention_t5 import decode_attention_t5  # noqa: F401
     from .kernels.flash_attention_t5 import flash_attention_t5  # noqa: F401
     from .kernels.t5_bias import near_band_bias  # noqa: F401

@@ -16,8 +16,8 @@ CODE_DIR = Path(__file__).resolve().parent
 # closure of the modules a checkpoint loads by name, and that their relative imports stay within it).
 SHIPPED_FILES = (
     "attention_fat5.py", "attention_guard_fat5.py", "attention_positions_fat5.py", "attention_select_fat5.py",
-    "compat_fat5.py", "configuration_fat5.py", "generation_fat5.py", "integrations_fat5.py", "loss_fat5.py",
-    "modeling_fat5.py", "peft_fat5.py", "pickling_fat5.py", "pipeline_fat5.py", "reference_fat5.py",
+    "compat_fat5.py", "configuration_fat5.py", "custom_ops_fat5.py", "generation_fat5.py", "integrations_fat5.py",
+    "loss_fat5.py", "modeling_fat5.py", "peft_fat5.py", "pickling_fat5.py", "pipeline_fat5.py", "reference_fat5.py",
     "remote_code_fat5.py",
     # kernels/ in the installed package
     "decode_attention_t5.py", "feed_forward.py", "flash_attention_t5.py", "residual_rms_norm.py", "rms_norm.py",

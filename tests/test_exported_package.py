@@ -123,3 +123,58 @@ def test_a_folder_loads_generates_fine_tunes_and_saves_without_posix(exported, t
     assert "notes.txt" in result["saved"] and "model.safetensors.index.json" in result["saved"]
     assert "model.safetensors" not in result["saved"]  # the first save's weights, which would load instead
     assert result["beside"] == ["tuned"]  # no staging folder left
+
+
+OPS = ("decode_attention", "feed_forward_act", "feed_forward_act_backward", "flash_attention_forward",
+       "flash_attention_backward", "residual_rms_norm", "residual_rms_norm_backward")
+
+
+def test_folders_code_beside_the_installed_package_uses_its_ops(exported, tmp_path):
+    """A folder's code loaded with trust_remote_code (two folders: two copies) beside the installed package defines
+    no op again: torch would destroy the installed package's ops under its handles (later calls failed with
+    `std::bad_alloc` or `basic_string::_M_create`), so each copy calls the op first defined."""
+    import shutil
+    import sys
+
+    import torch
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    from fat5.kernels import decode_attention_t5, feed_forward, flash_attention_t5, residual_rms_norm  # noqa: F401
+    defined = {name: getattr(torch.ops.fat5, name).default for name in OPS}
+    shutil.copytree(exported, tmp_path / "second")
+    for folder in (exported, tmp_path / "second"):
+        # What loading the folder with trust_remote_code imports (where FAT5's own classes are not registered): its
+        # configuration's module, then its model's.
+        get_class_from_dynamic_module("configuration_fat5.FAT5Config", folder)
+        model = get_class_from_dynamic_module("modeling_fat5.FAT5ForConditionalGeneration", folder).from_pretrained(
+            folder)
+        copy = sys.modules[type(model).__module__.rsplit(".", 1)[0] + ".feed_forward"]
+        assert copy is not feed_forward and type(copy._feed_forward_act).__name__ == "DefinedOp"
+        assert {name: getattr(torch.ops.fat5, name).default for name in OPS} == defined
+        assert all(getattr(torch.ops.fat5, name).default is op for name, op in defined.items())
+    ids = torch.tensor([[5, 9, 14, 20, 1]])
+    for _ in range(20):  # a destroyed op fails here within a few calls
+        model.train()(input_ids=ids, labels=ids).loss.backward()
+        hidden = torch.randn(3, 8, requires_grad=True)
+        feed_forward.feed_forward_act(hidden, hidden.detach() * 2).sum().backward()
+
+
+def test_an_op_defined_with_another_signature_gets_its_own_name():
+    import torch
+
+    from fat5.custom_ops_fat5 import DefinedOp, custom_op
+
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    def shift(x: torch.Tensor, by: float) -> torch.Tensor:
+        return x + by
+
+    first = custom_op("fat5_test::op", scale)
+    other = custom_op("fat5_test::op", shift)
+    assert not isinstance(first, DefinedOp) and not isinstance(other, DefinedOp)
+    assert other._qualname.startswith("fat5_test::op_")
+    again = custom_op("fat5_test::op", scale)
+    assert isinstance(again, DefinedOp) and again._opoverload is torch.ops.fat5_test.op.default
+    assert torch.equal(again(torch.ones(2)), torch.full((2,), 2.0))
+    assert torch.equal(custom_op("fat5_test::op", shift)(torch.ones(2), 1.0), torch.full((2,), 2.0))

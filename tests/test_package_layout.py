@@ -20,7 +20,7 @@ SHIPPED_LINES = 4000
 
 PACKAGE_DIR = Path(fat5.__file__).resolve().parent
 # Modules the kernels may import from the package: plain torch, nothing of the model above them.
-KERNEL_DEPENDENCIES = {"fat5.reference_fat5"}
+KERNEL_DEPENDENCIES = {"fat5.custom_ops_fat5", "fat5.reference_fat5"}
 # Besides the standard library.
 KERNEL_THIRD_PARTY = {"torch", "triton"}
 STANDARD_LIBRARY = set(sys.stdlib_module_names)

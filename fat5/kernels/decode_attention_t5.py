@@ -31,6 +31,7 @@ except ImportError as error:  # the model imports this module only for the "trit
     raise ImportError("FAT5's triton attention backend needs triton: pip install triton "
                       "(or use attention_backend='sdpa')") from error
 
+from ..custom_ops_fat5 import custom_op
 from .t5_bias import (
     KERNEL_LOG2E,
     LOG2E,
@@ -230,7 +231,7 @@ def _decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out
 
 
-_decode_attention_op = torch.library.custom_op("fat5::decode_attention", _decode_attention, mutates_args=())
+_decode_attention_op = custom_op("fat5::decode_attention", _decode_attention, mutates_args=())
 
 
 @_decode_attention_op.register_fake

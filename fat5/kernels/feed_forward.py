@@ -27,6 +27,8 @@ try:
 except ImportError:  # CPU-only installs: the torch computation below
     triton = None
 
+from ..custom_ops_fat5 import custom_op
+
 # transformers' activation names (ACT2FN) -> the function computed (gelu_new, gelu_fast and gelu_pytorch_tanh are one
 # function, the tanh approximation of GELU, in different formulas).
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "gelu_python": "gelu", "gelu_new": "gelu_tanh",
@@ -177,7 +179,7 @@ def _forward(hidden: torch.Tensor, gate: Optional[torch.Tensor], kind: str, drop
     return out
 
 
-_feed_forward_act = torch.library.custom_op("fat5::feed_forward_act", _forward, mutates_args=())
+_feed_forward_act = custom_op("fat5::feed_forward_act", _forward, mutates_args=())
 
 
 @_feed_forward_act.register_fake
@@ -185,7 +187,7 @@ def _(hidden, gate, kind, dropout_p, seed, kernel):
     return torch.empty_like(hidden)
 
 
-@torch.library.custom_op("fat5::feed_forward_act_backward", mutates_args=())
+@custom_op("fat5::feed_forward_act_backward", mutates_args=())
 def _feed_forward_act_backward(grad: torch.Tensor, hidden: torch.Tensor, gate: Optional[torch.Tensor], kind: str,
                                dropout_p: float, seed: Optional[torch.Tensor], kernel: bool
                                ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,6 +42,7 @@ except ImportError as error:  # the model imports this module only for the "trit
     raise ImportError("FAT5's triton attention backend needs triton: pip install triton "
                       "(or use attention_backend='sdpa')") from error
 
+from ..custom_ops_fat5 import custom_op
 from .t5_bias import (
     BIAS_ALIBI,
     BIAS_LUT,
@@ -967,7 +968,7 @@ def _tma_blocks(key, value, wide, dropout):
     return chip_tiles(chip, "forward tma" if wide else "forward", key.shape[-1], dropout)
 
 
-@torch.library.custom_op("fat5::flash_attention_forward", mutates_args=())
+@custom_op("fat5::flash_attention_forward", mutates_args=())
 def _flash_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              bias_lut: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
                              key_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
@@ -1008,7 +1009,7 @@ def _(query, key, value, bias_lut, alibi_slopes, key_mask, cu_seqlens_q, cu_seql
     return query.new_empty(query.shape), query.new_empty(_lse_shape(query, varlen), dtype=torch.float32)
 
 
-@torch.library.custom_op("fat5::flash_attention_backward", mutates_args=())
+@custom_op("fat5::flash_attention_backward", mutates_args=())
 def _flash_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                               value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                               bias_lut: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],

@@ -23,6 +23,7 @@ try:
 except ImportError:  # CPU-only installs: the torch computation below
     triton = None
 
+from ..custom_ops_fat5 import custom_op
 
 DROPOUT_BITS = 32
 # Tests set this to fill outputs with NaN before the kernels run, so an element left unwritten fails loudly.
@@ -157,7 +158,7 @@ def _forward(residual: torch.Tensor, update: torch.Tensor, weight: torch.Tensor,
     return hidden, normed, rstd
 
 
-_residual_rms_norm = torch.library.custom_op("fat5::residual_rms_norm", _forward, mutates_args=())
+_residual_rms_norm = custom_op("fat5::residual_rms_norm", _forward, mutates_args=())
 
 
 @_residual_rms_norm.register_fake
@@ -168,7 +169,7 @@ def _(residual, update, weight, eps, dropout_p, seed, kernel):
             residual.new_empty(residual.shape[:1], dtype=torch.float32))
 
 
-@torch.library.custom_op("fat5::residual_rms_norm_backward", mutates_args=())
+@custom_op("fat5::residual_rms_norm_backward", mutates_args=())
 def _residual_rms_norm_backward(grad_hidden: Optional[torch.Tensor], grad_normed: torch.Tensor, hidden: torch.Tensor,
                                 weight: torch.Tensor, rstd: torch.Tensor, residual_dtype: torch.dtype,
                                 update_dtype: torch.dtype, dropout_p: float, seed: Optional[torch.Tensor],

@@ -17,6 +17,7 @@ try:
 except ImportError as error:  # the model imports this module only for CUDA tensors with triton installed
     raise ImportError("FAT5's fused RMSNorm needs triton: pip install triton") from error
 
+from ..custom_ops_fat5 import custom_op
 from ..reference_fat5 import t5_rms_norm as rms_norm_reference
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -85,7 +86,7 @@ def _num_programs(n_rows, device):
     return min(n_rows, 4)
 
 
-@torch.library.custom_op("fat5::rms_norm_forward", mutates_args=())
+@custom_op("fat5::rms_norm_forward", mutates_args=())
 def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     n_rows, n_cols = x.shape
     y = _new_output((n_rows, n_cols), _output_dtype(weight), x.device)
@@ -102,7 +103,7 @@ def _(x, weight, eps):
     return x.new_empty(x.shape, dtype=_output_dtype(weight)), x.new_empty(x.shape[:1], dtype=torch.float32)
 
 
-@torch.library.custom_op("fat5::rms_norm_backward", mutates_args=())
+@custom_op("fat5::rms_norm_backward", mutates_args=())
 def _rms_norm_backward(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                        rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n_rows, n_cols = x.shape

@@ -172,6 +172,6 @@ def shipped_lines():
 
 
 # Strict: once the code is within the budget this passes, which fails the run until the mark goes.
-@pytest.mark.xfail(strict=True, reason="issue 47: the shipped code is over SHIPPED_LINES (5,859 lines on 2026-12-07)")
+@pytest.mark.xfail(strict=True, reason="issue 47: the shipped code is over SHIPPED_LINES (6,036 lines on 2026-12-08)")
 def test_the_shipped_code_stays_within_its_line_budget():
     assert shipped_lines() <= SHIPPED_LINES, shipped_lines()

@@ -2,12 +2,17 @@
 this repository, through AutoModel classes and the text2text-generation pipeline, on transformers 4.57 and 5.x."""
 
 import json
+import shutil
+import sys
 
 import pytest
+import torch
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
 from fat5.compat_fat5 import TESTED_TRANSFORMERS
 from fat5.convert.demo import DEMO_CHECKPOINT, DEMO_PROMPTS
 from fat5.convert.flan_to_fat5 import main
+from fat5.custom_ops_fat5 import DefinedOp, custom_op
 from isolated import run_isolated
 
 CHILD = """
@@ -133,12 +138,6 @@ def test_folders_code_beside_the_installed_package_uses_its_ops(exported, tmp_pa
     """A folder's code loaded with trust_remote_code (two folders: two copies) beside the installed package defines
     no op again: torch would destroy the installed package's ops under its handles (later calls failed with
     `std::bad_alloc` or `basic_string::_M_create`), so each copy calls the op first defined."""
-    import shutil
-    import sys
-
-    import torch
-    from transformers.dynamic_module_utils import get_class_from_dynamic_module
-
     from fat5.kernels import decode_attention_t5, feed_forward, flash_attention_t5, residual_rms_norm  # noqa: F401
     defined = {name: getattr(torch.ops.fat5, name).default for name in OPS}
     shutil.copytree(exported, tmp_path / "second")
@@ -160,10 +159,6 @@ def test_folders_code_beside_the_installed_package_uses_its_ops(exported, tmp_pa
 
 
 def test_an_op_defined_with_another_signature_gets_its_own_name():
-    import torch
-
-    from fat5.custom_ops_fat5 import DefinedOp, custom_op
-
     def scale(x: torch.Tensor) -> torch.Tensor:
         return x * 2
 
